@@ -1,0 +1,194 @@
+#include "kvcached/ftensor.hpp"
+
+#include <string>
+
+#include "kvcached/errors.hpp"
+
+namespace kvcached {
+
+ZeroPage::ZeroPage(std::shared_ptr<Backend> backend, size_t size) : backend_(std::move(backend)), size_(size) {
+  handle_ = backend_->create(size);
+  // Zero it through a scratch mapping (GPU memory is not zeroed by create).
+  uintptr_t va = 0;
+  bool mapped = false;
+  try {
+    va = backend_->reserve(size, size);
+    backend_->map(va, size, handle_);
+    mapped = true;
+    backend_->set_access(va, size);
+    backend_->zero_fill(va, size);
+    backend_->unmap(va, size);
+    mapped = false;
+    backend_->free_reservation(va, size);
+  } catch (...) {
+    if (mapped) {
+      try { backend_->unmap(va, size); } catch (...) {}
+    }
+    if (va) backend_->free_reservation(va, size);
+    try { backend_->release(handle_, size_); } catch (...) {}
+    throw;
+  }
+}
+
+ZeroPage::~ZeroPage() {
+  try {
+    backend_->release(handle_, size_);
+  } catch (...) {
+    // Destructors must not throw; a handle we cannot release is leaked.
+  }
+}
+
+FTensor::FTensor(std::shared_ptr<Backend> backend, size_t size, size_t unit, std::shared_ptr<ZeroPage> zero)
+    : backend_(std::move(backend)), zero_(std::move(zero)), size_(size), unit_(unit) {
+  if (unit == 0 || size == 0 || size % unit != 0) invalid("FTensor: size must be a positive multiple of the map unit");
+  if (zero_->size() != unit) invalid("FTensor: the zero page must be exactly one map unit");
+  size_t n = size / unit;
+  base_ = backend_->reserve(size, unit);
+  state_.assign(n, Unit::Hole);
+  handles_.assign(n, 0);
+  size_t done = 0;
+  try {
+    for (; done < n; ++done) backend_->map(va(done), unit_, zero_->handle());
+    backend_->set_access(base_, size_);  // one call over the whole range
+  } catch (...) {
+    for (size_t i = 0; i < done; ++i) {
+      try { backend_->unmap(va(i), unit_); } catch (...) {}
+    }
+    backend_->free_reservation(base_, size_);
+    throw;
+  }
+  state_.assign(n, Unit::Zero);
+}
+
+FTensor::~FTensor() {
+  // Best effort: nothing here may throw. Quarantined handles stay leaked, as
+  // their state is unknown.
+  for (size_t i = 0; i < state_.size(); ++i) {
+    if (state_[i] == Unit::Hole) continue;
+    try {
+      backend_->unmap(va(i), unit_);
+      if (state_[i] == Unit::Mapped) backend_->release(handles_[i], unit_);
+    } catch (...) {
+    }
+  }
+  backend_->free_reservation(base_, size_);
+}
+
+void FTensor::restore_zero(size_t i, const char* during) {
+  try {
+    backend_->map(va(i), unit_, zero_->handle());
+    try {
+      backend_->set_access(va(i), unit_);
+    } catch (...) {
+      backend_->unmap(va(i), unit_);
+      throw;
+    }
+  } catch (const std::exception& e) {
+    state_[i] = Unit::Hole;
+    ++holes_;
+    fail(ErrorKind::StateConsistency, std::string("could not restore the zero page after a failed ") + during +
+                                          " (" + e.what() + "); the unit at offset " +
+                                          std::to_string(i * unit_) + " is quarantined");
+  }
+}
+
+void FTensor::place(size_t i, PhysHandle h) {
+  backend_->unmap(va(i), unit_);  // zero page out; on error nothing changed
+  try {
+    backend_->map(va(i), unit_, h);
+  } catch (const Error&) {
+    restore_zero(i, "map");
+    throw;
+  }
+  try {
+    backend_->set_access(va(i), unit_);
+  } catch (const Error&) {
+    try {
+      backend_->unmap(va(i), unit_);
+    } catch (const std::exception& e) {
+      state_[i] = Unit::Hole;
+      ++holes_;
+      quarantined_.push_back(h);
+      fail(ErrorKind::StateConsistency, std::string("could not undo a mapping after set-access failed (") +
+                                            e.what() + "); the unit is quarantined");
+    }
+    restore_zero(i, "set-access");
+    throw;
+  }
+}
+
+void FTensor::map_new(size_t i) {
+  if (state_[i] != Unit::Zero) invalid("FTensor: unit " + std::to_string(i) + " is not unmapped");
+  PhysHandle h = backend_->create(unit_);
+  try {
+    place(i, h);
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::StateConsistency && state_[i] == Unit::Hole && !quarantined_.empty() &&
+        quarantined_.back() == h) {
+      throw;  // h may still be mapped: it stays quarantined
+    }
+    release(h);
+    throw;
+  }
+  state_[i] = Unit::Mapped;
+  handles_[i] = h;
+  ++num_mapped_;
+}
+
+PhysHandle FTensor::unmap_retain(size_t i) {
+  if (state_[i] != Unit::Mapped) invalid("FTensor: unit " + std::to_string(i) + " is not mapped");
+  PhysHandle h = handles_[i];
+  backend_->unmap(va(i), unit_);  // on error nothing changed
+  try {
+    backend_->map(va(i), unit_, zero_->handle());
+    try {
+      backend_->set_access(va(i), unit_);
+    } catch (...) {
+      backend_->unmap(va(i), unit_);
+      throw;
+    }
+  } catch (const Error& first) {
+    // Put the data page back where it was.
+    try {
+      backend_->map(va(i), unit_, h);
+      try {
+        backend_->set_access(va(i), unit_);
+      } catch (...) {
+        backend_->unmap(va(i), unit_);
+        throw;
+      }
+    } catch (const std::exception& e) {
+      state_[i] = Unit::Hole;
+      ++holes_;
+      --num_mapped_;
+      quarantined_.push_back(h);
+      fail(ErrorKind::StateConsistency, std::string("unmap could neither map the zero page (") + first.what() +
+                                            ") nor restore the data page (" + e.what() + "); unit quarantined");
+    }
+    throw;
+  }
+  state_[i] = Unit::Zero;
+  handles_[i] = 0;
+  --num_mapped_;
+  return h;
+}
+
+void FTensor::remap(size_t i, PhysHandle h) {
+  if (state_[i] != Unit::Zero) invalid("FTensor: unit " + std::to_string(i) + " is not unmapped");
+  place(i, h);
+  state_[i] = Unit::Mapped;
+  handles_[i] = h;
+  ++num_mapped_;
+}
+
+void FTensor::release(PhysHandle h) {
+  try {
+    backend_->release(h, unit_);
+  } catch (const Error&) {
+    quarantined_.push_back(h);
+  }
+}
+
+void FTensor::quarantine(PhysHandle h) { quarantined_.push_back(h); }
+
+}  // namespace kvcached

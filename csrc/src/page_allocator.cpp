@@ -1,0 +1,327 @@
+#include "kvcached/page_allocator.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <unordered_set>
+
+#include "kvcached/errors.hpp"
+#include "kvcached/ftensor_allocator.hpp"
+
+namespace kvcached {
+
+namespace {
+class LocalMapper final : public Mapper {
+ public:
+  explicit LocalMapper(int group_id) : group_id_(group_id) {}
+  void map(const std::vector<int64_t>& offsets) override { registry::group(group_id_, false)->map(offsets); }
+  void unmap(const std::vector<int64_t>& offsets) override { registry::group(group_id_, false)->unmap(offsets); }
+
+ private:
+  int group_id_;
+};
+}  // namespace
+
+std::shared_ptr<Mapper> make_local_mapper(int group_id) { return std::make_shared<LocalMapper>(group_id); }
+
+PageAllocator::PageAllocator(const PageAllocatorOptions& opts, std::shared_ptr<Mapper> mapper)
+    : opts_(opts), mapper_(std::move(mapper)) {
+  if (opts_.page_size == 0) invalid("PageAllocator: page_size must be > 0");
+  if (opts_.num_layers == 0) invalid("PageAllocator: num_layers must be >= 1");
+  if (opts_.num_kv_buffers == 0) invalid("PageAllocator: num_kv_buffers must be >= 1");
+  if (opts_.mem_size_per_layer < opts_.page_size) {
+    invalid("PageAllocator: mem_size_per_layer (" + std::to_string(opts_.mem_size_per_layer) +
+            ") must hold at least one page of " + std::to_string(opts_.page_size) + " bytes");
+  }
+  if (opts_.min_reserved > opts_.max_reserved) invalid("PageAllocator: min_reserved must be <= max_reserved");
+  num_virtual_pages_ = opts_.mem_size_per_layer / opts_.page_size;
+  state_.assign(num_virtual_pages_, State::Free);
+  for (size_t i = 0; i < num_virtual_pages_; ++i) free_.insert(free_.end(), static_cast<int64_t>(i));
+  target_pages_ = num_virtual_pages_;
+  free_in_target_ = num_virtual_pages_;
+  if (opts_.enable_prealloc && opts_.min_reserved > 0) start_prealloc_thread();
+}
+
+PageAllocator::~PageAllocator() { stop_prealloc_thread(); }
+
+size_t PageAllocator::limit_pages_locked() const {
+  if (limit_bytes_ < 0) return num_virtual_pages_;
+  return std::min(num_virtual_pages_, static_cast<size_t>(limit_bytes_) / bytes_per_page());
+}
+
+size_t PageAllocator::free_capacity_locked() const {
+  size_t limit = limit_pages_locked();
+  size_t headroom = mapped_ >= limit ? 0 : limit - mapped_;
+  return std::min(free_in_target_, headroom);
+}
+
+int64_t PageAllocator::take_free_locked() {
+  auto it = free_.begin();  // lowest id; ids past the target sort last
+  int64_t id = *it;
+  free_.erase(it);
+  --free_in_target_;
+  state_[id] = State::Busy;
+  return id;
+}
+
+void PageAllocator::put_free_locked(int64_t id) {
+  state_[id] = State::Free;
+  free_.insert(id);
+  if (static_cast<size_t>(id) < target_pages_) ++free_in_target_;
+}
+
+std::vector<int64_t> PageAllocator::offsets_of(const std::vector<int64_t>& ids) const {
+  std::vector<int64_t> out;
+  out.reserve(ids.size());
+  for (int64_t id : ids) out.push_back(id * static_cast<int64_t>(opts_.page_size));
+  return out;
+}
+
+std::vector<int64_t> PageAllocator::alloc_pages(size_t n) {
+  if (n == 0) invalid("alloc_pages: n must be >= 1");
+  std::unique_lock<std::mutex> lk(mu_);
+  size_t from_reserve = std::min(n, reserved_.size());
+  size_t fresh = n - from_reserve;
+  if (fresh > free_capacity_locked()) {
+    fail(ErrorKind::OutOfMemory, "no free KV page: asked for " + std::to_string(n) + ", " +
+                                     std::to_string(reserved_.size() + free_capacity_locked()) +
+                                     " can be mapped now (" + std::to_string(inuse_) + " in use, target " +
+                                     std::to_string(target_pages_) + " pages, limit " +
+                                     std::to_string(limit_pages_locked()) + ")");
+  }
+  std::vector<int64_t> ids;
+  ids.reserve(n);
+  for (size_t i = 0; i < from_reserve; ++i) {
+    ids.push_back(reserved_.back());
+    reserved_.pop_back();
+    state_[ids.back()] = State::InUse;
+  }
+  inuse_ += from_reserve;
+  if (fresh == 0) {
+    if (prealloc_running_ && reserved_.size() < opts_.min_reserved) cv_.notify_one();
+    return ids;
+  }
+  std::vector<int64_t> new_ids;
+  new_ids.reserve(fresh);
+  for (size_t i = 0; i < fresh; ++i) new_ids.push_back(take_free_locked());
+  mapped_ += fresh;
+  lk.unlock();
+  try {
+    mapper_->map(offsets_of(new_ids));
+  } catch (const Error& e) {
+    lk.lock();
+    for (int64_t id : new_ids) put_free_locked(id);
+    mapped_ -= fresh;
+    // Give the reserved pages back in their order.
+    for (auto it = ids.rbegin(); it != ids.rend(); ++it) {
+      state_[*it] = State::Reserved;
+      reserved_.push_back(*it);
+    }
+    inuse_ -= from_reserve;
+    last_error_ = e.what();
+    throw;
+  }
+  lk.lock();
+  for (int64_t id : new_ids) {
+    state_[id] = State::InUse;
+    ids.push_back(id);
+  }
+  inuse_ += fresh;
+  if (prealloc_running_ && reserved_.size() < opts_.min_reserved) cv_.notify_one();
+  return ids;
+}
+
+int64_t PageAllocator::alloc_page() { return alloc_pages(1)[0]; }
+
+void PageAllocator::free_pages(const std::vector<int64_t>& ids) {
+  std::unique_lock<std::mutex> lk(mu_);
+  std::unordered_set<int64_t> seen;
+  for (int64_t id : ids) {
+    if (id < 0 || static_cast<size_t>(id) >= num_virtual_pages_) {
+      invalid("page id " + std::to_string(id) + " is out of range [0, " + std::to_string(num_virtual_pages_) + ")");
+    }
+    if (state_[id] != State::InUse) invalid("page " + std::to_string(id) + " is not in use (double free?)");
+    if (!seen.insert(id).second) invalid("page " + std::to_string(id) + " appears twice in one free");
+  }
+  std::vector<int64_t> to_unmap;
+  size_t keep = opts_.max_reserved;
+  size_t limit = limit_pages_locked();
+  for (int64_t id : ids) {
+    --inuse_;
+    bool in_target = static_cast<size_t>(id) < target_pages_;
+    if (in_target && reserved_.size() < keep && mapped_ <= limit) {
+      state_[id] = State::Reserved;
+      reserved_.push_back(id);
+    } else {
+      state_[id] = State::Busy;
+      to_unmap.push_back(id);
+    }
+  }
+  if (!to_unmap.empty()) unmap_busy(std::move(to_unmap), lk);
+}
+
+void PageAllocator::free_page(int64_t id) { free_pages({id}); }
+
+void PageAllocator::unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::mutex>& lk) {
+  lk.unlock();
+  try {
+    mapper_->unmap(offsets_of(ids));
+  } catch (const Error& e) {
+    lk.lock();
+    last_error_ = e.what();
+    if (e.kind() == ErrorKind::StateConsistency) {
+      for (int64_t id : ids) state_[id] = State::Quarantined;
+      mapped_ -= ids.size();
+      quarantined_ += ids.size();
+      throw;
+    }
+    // Rolled back: the pages are still mapped and unused. Keep them in the
+    // reserve (past its max) so a later trim or alloc can use them.
+    for (int64_t id : ids) {
+      state_[id] = State::Reserved;
+      reserved_.push_back(id);
+    }
+    return;
+  }
+  lk.lock();
+  for (int64_t id : ids) put_free_locked(id);
+  mapped_ -= ids.size();
+  cv_.notify_one();
+}
+
+size_t PageAllocator::trim() {
+  std::unique_lock<std::mutex> lk(mu_);
+  std::vector<int64_t> ids;
+  ids.swap(reserved_);
+  for (int64_t id : ids) state_[id] = State::Busy;
+  size_t n = ids.size();
+  if (n) unmap_busy(std::move(ids), lk);
+  return n - std::min(n, reserved_.size());
+}
+
+bool PageAllocator::resize(size_t mem_size_per_layer) {
+  size_t target = mem_size_per_layer / opts_.page_size;
+  if (target > num_virtual_pages_) {
+    invalid("resize to " + std::to_string(mem_size_per_layer) + " bytes per buffer exceeds the virtual capacity of " +
+            std::to_string(num_virtual_pages_ * opts_.page_size) + " bytes");
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  target_pages_ = target;
+  free_in_target_ = static_cast<size_t>(std::distance(free_.begin(), free_.lower_bound(static_cast<int64_t>(target))));
+  std::vector<int64_t> drop;
+  std::vector<int64_t> keep;
+  for (int64_t id : reserved_) (static_cast<size_t>(id) >= target ? drop : keep).push_back(id);
+  reserved_.swap(keep);
+  for (int64_t id : drop) state_[id] = State::Busy;
+  if (!drop.empty()) unmap_busy(std::move(drop), lk);
+  cv_.notify_one();
+  for (size_t id = target; id < num_virtual_pages_; ++id) {
+    if (state_[id] == State::InUse || state_[id] == State::Busy) return false;
+  }
+  return true;
+}
+
+void PageAllocator::set_mem_limit(int64_t bytes) {
+  std::lock_guard<std::mutex> g(mu_);
+  limit_bytes_ = bytes;
+  cv_.notify_one();
+}
+
+int64_t PageAllocator::mem_limit() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return limit_bytes_;
+}
+
+void PageAllocator::set_reserve_bounds(size_t min_reserved, size_t max_reserved) {
+  if (min_reserved > max_reserved) invalid("min_reserved must be <= max_reserved");
+  std::lock_guard<std::mutex> g(mu_);
+  opts_.min_reserved = min_reserved;
+  opts_.max_reserved = max_reserved;
+  cv_.notify_one();
+}
+
+void PageAllocator::start_prealloc_thread() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (prealloc_running_) return;
+  stop_ = false;
+  prealloc_running_ = true;
+  prealloc_ = std::thread([this] { prealloc_loop(); });
+}
+
+void PageAllocator::stop_prealloc_thread() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!prealloc_running_) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (prealloc_.joinable()) prealloc_.join();
+  std::lock_guard<std::mutex> g(mu_);
+  prealloc_running_ = false;
+}
+
+void PageAllocator::prealloc_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!stop_) {
+    bool wanted = reserved_.size() < opts_.min_reserved && free_capacity_locked() > 0;
+    if (!wanted) {
+      cv_.wait(lk);
+      continue;
+    }
+    int64_t id = take_free_locked();
+    ++mapped_;
+    lk.unlock();
+    bool ok = true;
+    try {
+      mapper_->map(offsets_of({id}));
+    } catch (const Error& e) {
+      ok = false;
+      lk.lock();
+      last_error_ = e.what();
+      put_free_locked(id);
+      --mapped_;
+      // Pressure or tensors not created yet: back off instead of spinning.
+      cv_.wait_for(lk, std::chrono::milliseconds(100));
+    }
+    if (ok) {
+      lk.lock();
+      state_[id] = State::Reserved;
+      reserved_.push_back(id);
+    }
+  }
+}
+
+size_t PageAllocator::num_total_pages() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return target_pages_;
+}
+size_t PageAllocator::num_free_pages() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return reserved_.size() + free_capacity_locked();
+}
+size_t PageAllocator::num_inuse_pages() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return inuse_;
+}
+size_t PageAllocator::num_reserved_pages() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return reserved_.size();
+}
+size_t PageAllocator::num_mapped_pages() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return mapped_;
+}
+size_t PageAllocator::num_quarantined_pages() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return quarantined_;
+}
+std::string PageAllocator::last_error() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return last_error_;
+}
+
+int64_t PageAllocator::get_page_id(int64_t block_id, int64_t block_mem_size) const {
+  if (block_id < 0 || block_mem_size <= 0) invalid("get_page_id: block_id must be >= 0 and block_mem_size > 0");
+  return block_id * block_mem_size / static_cast<int64_t>(opts_.page_size);
+}
+
+}  // namespace kvcached

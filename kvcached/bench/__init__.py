@@ -1,0 +1,11 @@
+"""Benchmarks: ``python -m kvcached.bench <name> [--json] ...``.
+
+Each benchmark is a module ``kvcached.bench.<name>`` with ``main(argv) -> int``;
+it prints a table that puts our path beside a baseline measured in the same run.
+"""
+
+BENCHMARKS = {
+    "vmm": "map/unmap throughput through kvcached vs raw backend calls",
+    "manager": "KVCacheManager alloc/free rate vs vLLM's native BlockPool",
+    "ipc": "map fan-out round trip to worker processes",
+}
