@@ -23,14 +23,17 @@ PYTHON="${PYTHON:-python3}"
 
 TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
 SGLANG_PIN="sglang==0.5.23"
-# Light dependencies the CPU path imports (checked against the installed 0.5.23 source).
+# Light dependencies that the CPU path (Engine and launch_server) imports; found by running
+# both on a tiny Llama. Versions pinned where sglang 0.5.23 pins them.
+# jsonschema + soundfile: imported at module level by launch_server's OpenAI routes.
+# zstandard, watchfiles: declared by sglang, cheap, keep `pip check` quieter.
 LIGHT_DEPS=(
   numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
   tqdm IPython aiohttp "transformers==5.19.0" "tokenizers==0.23.2" dill
   "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" gguf "compressed-tensors==0.18.0" triton
   uvloop fastapi "uvicorn>=0.51" setproctitle xxhash partial_json_parser safetensors einops
   "openai==2.8.0" "xgrammar==0.2.7" python-multipart prometheus-client interegular
-  "python-dateutil<3" regex scipy pyyaml
+  "python-dateutil<3" regex scipy pyyaml jsonschema "soundfile==0.13.1" zstandard watchfiles
 )
 
 log() { printf '[setup_sglang_venv %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -43,6 +46,7 @@ check_import() {
   "$VPY" - <<'EOF' >/dev/null 2>&1
 import torch, sglang, transformers
 from sglang.srt.entrypoints.engine import Engine  # noqa: F401
+import sglang.srt.entrypoints.http_server  # noqa: F401  (launch_server's import chain)
 assert torch.__version__.startswith("2.14.1"), torch.__version__
 EOF
 }
@@ -88,7 +92,7 @@ done
 
 log "step 4/4: import check"
 if ! check_import; then
-  "$VPY" -c 'from sglang.srt.entrypoints.engine import Engine' || true
+  "$VPY" -c 'import sglang.srt.entrypoints.engine, sglang.srt.entrypoints.http_server' || true
   log "import check FAILED"
   exit 1
 fi

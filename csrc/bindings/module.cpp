@@ -312,6 +312,7 @@ PYBIND11_MODULE(_C, m) {
                mapper = make_local_mapper(group_id);
              } else {
                mapper = std::make_shared<PyMapper>(map_fn.cast<py::function>(), unmap_fn.cast<py::function>());
+               o.allow_prealloc = false;
              }
              py::gil_scoped_release nogil;
              return std::make_shared<PageAllocator>(o, mapper);
@@ -328,6 +329,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_mem_limit", &PageAllocator::set_mem_limit, py::arg("bytes"))
       .def("mem_limit", &PageAllocator::mem_limit)
       .def("set_reserve_bounds", &PageAllocator::set_reserve_bounds, py::arg("min_reserved"), py::arg("max_reserved"))
+      .def("attach_tracker", &PageAllocator::attach_tracker, py::arg("tracker"))
       .def("start_prealloc_thread", &PageAllocator::start_prealloc_thread)
       .def("stop_prealloc_thread", &PageAllocator::stop_prealloc_thread, release_gil())
       .def("get_num_free_pages", &PageAllocator::num_free_pages)
@@ -356,10 +358,13 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("prealloc", &MemInfoSnapshot::prealloc)
       .def_readonly("total", &MemInfoSnapshot::total)
       .def_readonly("updated_ns", &MemInfoSnapshot::updated_ns);
-  py::class_<MemInfoTracker>(m, "MemInfoTracker")
-      .def_static("create", &MemInfoTracker::create, py::arg("name"), py::arg("engine"), py::arg("device_type"),
+  py::class_<MemInfoTracker, std::shared_ptr<MemInfoTracker>>(m, "MemInfoTracker")
+      .def_static("create", [](const std::string& n, const std::string& e, int dt, int di, int64_t total, int64_t limit) {
+                    return std::make_shared<MemInfoTracker>(MemInfoTracker::create(n, e, dt, di, total, limit));
+                  }, py::arg("name"), py::arg("engine"), py::arg("device_type"),
                   py::arg("device_index"), py::arg("total"), py::arg("limit"))
-      .def_static("open", &MemInfoTracker::open, py::arg("name"))
+      .def_static("open", [](const std::string& n) { return std::make_shared<MemInfoTracker>(MemInfoTracker::open(n)); },
+                  py::arg("name"))
       .def_property_readonly("name", &MemInfoTracker::name)
       .def("snapshot", &MemInfoTracker::snapshot)
       .def("publish_usage", &MemInfoTracker::publish_usage, py::arg("used"), py::arg("prealloc"))

@@ -6,6 +6,7 @@
 
 #include "kvcached/errors.hpp"
 #include "kvcached/ftensor_allocator.hpp"
+#include "kvcached/mem_info_tracker.hpp"
 
 namespace kvcached {
 
@@ -38,7 +39,7 @@ PageAllocator::PageAllocator(const PageAllocatorOptions& opts, std::shared_ptr<M
   for (size_t i = 0; i < num_virtual_pages_; ++i) free_.insert(free_.end(), static_cast<int64_t>(i));
   target_pages_ = num_virtual_pages_;
   free_in_target_ = num_virtual_pages_;
-  if (opts_.enable_prealloc && opts_.min_reserved > 0) start_prealloc_thread();
+  if (opts_.enable_prealloc && opts_.allow_prealloc && opts_.min_reserved > 0) start_prealloc_thread();
 }
 
 PageAllocator::~PageAllocator() { stop_prealloc_thread(); }
@@ -96,6 +97,7 @@ std::vector<int64_t> PageAllocator::alloc_pages(size_t n) {
     state_[ids.back()] = State::InUse;
   }
   inuse_ += from_reserve;
+  publish_locked();
   if (fresh == 0) {
     if (prealloc_running_ && reserved_.size() < opts_.min_reserved) cv_.notify_one();
     return ids;
@@ -126,6 +128,7 @@ std::vector<int64_t> PageAllocator::alloc_pages(size_t n) {
     ids.push_back(id);
   }
   inuse_ += fresh;
+  publish_locked();
   if (prealloc_running_ && reserved_.size() < opts_.min_reserved) cv_.notify_one();
   return ids;
 }
@@ -156,6 +159,7 @@ void PageAllocator::free_pages(const std::vector<int64_t>& ids) {
       to_unmap.push_back(id);
     }
   }
+  publish_locked();
   if (!to_unmap.empty()) unmap_busy(std::move(to_unmap), lk);
 }
 
@@ -185,6 +189,7 @@ void PageAllocator::unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::m
   lk.lock();
   for (int64_t id : ids) put_free_locked(id);
   mapped_ -= ids.size();
+  publish_locked();
   cv_.notify_one();
 }
 
@@ -239,7 +244,22 @@ void PageAllocator::set_reserve_bounds(size_t min_reserved, size_t max_reserved)
   cv_.notify_one();
 }
 
+void PageAllocator::attach_tracker(std::shared_ptr<MemInfoTracker> tracker) {
+  std::lock_guard<std::mutex> g(mu_);
+  tracker_ = std::move(tracker);
+  if (tracker_) tracker_->set_total(static_cast<int64_t>(num_virtual_pages_ * bytes_per_page()));
+  publish_locked();
+}
+
+void PageAllocator::publish_locked() {
+  if (!tracker_) return;
+  int64_t bpp = static_cast<int64_t>(bytes_per_page());
+  // "prealloc" counts every mapped page not handed out: reserve and in-flight maps.
+  tracker_->publish_usage(static_cast<int64_t>(inuse_) * bpp, static_cast<int64_t>(mapped_ - inuse_) * bpp);
+}
+
 void PageAllocator::start_prealloc_thread() {
+  if (!opts_.allow_prealloc) invalid("this PageAllocator maps through Python callbacks and cannot pre-map in the background");
   std::lock_guard<std::mutex> g(mu_);
   if (prealloc_running_) return;
   stop_ = false;
@@ -286,6 +306,7 @@ void PageAllocator::prealloc_loop() {
       lk.lock();
       state_[id] = State::Reserved;
       reserved_.push_back(id);
+      publish_locked();
     }
   }
 }

@@ -23,6 +23,8 @@
 
 namespace kvcached {
 
+class MemInfoTracker;
+
 class Mapper {
  public:
   virtual ~Mapper() = default;
@@ -43,6 +45,9 @@ struct PageAllocatorOptions {
   size_t min_reserved = 0;
   size_t max_reserved = 0;
   bool enable_prealloc = true;
+  // False for mappers that call into Python: a C++ thread must not wait on
+  // the GIL while Python joins it.
+  bool allow_prealloc = true;
 };
 
 class PageAllocator {
@@ -67,6 +72,9 @@ class PageAllocator {
   void set_mem_limit(int64_t bytes);
   int64_t mem_limit() const;
   void set_reserve_bounds(size_t min_reserved, size_t max_reserved);
+  // Publishes used/prealloc bytes to a shared record after every change
+  // (three atomic stores; nullptr detaches).
+  void attach_tracker(std::shared_ptr<MemInfoTracker> tracker);
 
   void start_prealloc_thread();
   void stop_prealloc_thread();
@@ -94,6 +102,7 @@ class PageAllocator {
   // Unmaps `ids` (already Busy) outside the lock and settles their state.
   void unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::mutex>& lk);
   void prealloc_loop();
+  void publish_locked();
 
   PageAllocatorOptions opts_;
   std::shared_ptr<Mapper> mapper_;
@@ -111,6 +120,7 @@ class PageAllocator {
   size_t quarantined_ = 0;
   int64_t limit_bytes_ = -1;
   std::string last_error_;
+  std::shared_ptr<MemInfoTracker> tracker_;
 
   std::thread prealloc_;
   bool stop_ = false;
