@@ -1,0 +1,127 @@
+"""Bad input: a Python exception that says what was wrong and what is allowed,
+and no state change."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached import _C
+from kvcached.errors import InvalidArgumentError, ShutdownError
+
+
+@pytest.fixture
+def ready(vmm, device, page_size):
+    layers = vmm.create_kv_tensors(4 * page_size, 2, device, 2, 2)
+    vmm.map_to_kv_tensors([page_size])
+    return layers
+
+
+def _state():
+    info = _C.group_info()
+    return info["mapped_pages"], info["prepared_pages"], tuple(_C.mapped_offsets()), info["failed"]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda v, p: v.map_to_kv_tensors([p // 2]), "not a multiple of the page size"),
+        (lambda v, p: v.map_to_kv_tensors([-p]), "not a multiple of the page size"),
+        (lambda v, p: v.map_to_kv_tensors([4 * p]), "out of range: each K/V buffer holds"),
+        (lambda v, p: v.map_to_kv_tensors([0, 0]), "appears twice"),
+        (lambda v, p: v.map_to_kv_tensors([0, p]), "already mapped \\(double map\\)"),
+        (lambda v, p: v.unmap_from_kv_tensors([2 * p]), "is not mapped; nothing to unmap"),
+        (lambda v, p: v.unmap_from_kv_tensors([p, 2 * p]), "is not mapped; nothing to unmap"),
+        (lambda v, p: v.prepare_unmap_from_kv_tensors(1, [0]), "is not mapped"),
+        (lambda v, p: v.commit_unmap_from_kv_tensors(12345), "unknown transaction"),
+        (lambda v, p: v.create_kv_tensors(p, 2, "cpu" if v else "", 1), "already created|initialized for"),
+        (lambda v, p: v.map_to_kv_tensors([0], group_id=3), "group 3 are not created"),
+        (lambda v, p: v.map_to_kv_tensors([0], group_id=-1), "group_id must be >= 0"),
+    ],
+)
+def test_rejected_without_state_change(vmm, page_size, ready, call, message):
+    before = _state()
+    with pytest.raises(InvalidArgumentError, match=message):
+        call(vmm, page_size)
+    assert _state() == before
+
+
+def test_page_size_must_be_granularity_multiple(vmm, device):
+    vmm.shutdown_kvcached()
+    gran = _C.backend_info(device)["granularity"]
+    with pytest.raises(InvalidArgumentError, match=f"not a multiple of the .* granularity {gran}; use a multiple"):
+        vmm.init_kvcached(device, page_size=gran + gran // 2)
+    with pytest.raises(InvalidArgumentError, match="granularity"):
+        vmm.init_kvcached(device, page_size=0)
+    assert not _C.is_initialized()
+    vmm.init_kvcached(device, page_size=gran)
+
+
+def test_reinit_with_other_config_refused_while_tensors_exist(vmm, device, page_size, ready):
+    with pytest.raises(InvalidArgumentError, match="call shutdown_kvcached\\(\\) first"):
+        vmm.init_kvcached(device, page_size=page_size * 2)
+    vmm.init_kvcached(device, page_size=page_size)  # same configuration: a no-op
+    assert _C.group_info()["mapped_pages"] == 1
+
+
+def test_create_argument_checks(vmm, device, page_size):
+    with pytest.raises(InvalidArgumentError, match="size must be > 0"):
+        vmm.create_kv_tensors(0, 2, device, 1)
+    with pytest.raises(InvalidArgumentError, match="num_layers must be >= 1"):
+        vmm.create_kv_tensors(page_size, 2, device, 0)
+    with pytest.raises(InvalidArgumentError, match="num_kv_buffers must be 1"):
+        vmm.create_kv_tensors(page_size, 2, device, 1, 3)
+    with pytest.raises(InvalidArgumentError, match="dtype_size 3 is not supported"):
+        vmm.create_kv_tensors(page_size, 3, device, 1)
+    with pytest.raises(InvalidArgumentError, match="must divide the page size"):
+        vmm.create_kv_tensors(page_size, 2, device, 1, chunk_bytes=page_size // 3 + 1)
+    assert not vmm.kv_tensors_created()
+
+
+def test_use_after_shutdown(vmm, device, page_size, ready):
+    vmm.shutdown_kvcached()
+    for call in (
+        lambda: vmm.map_to_kv_tensors([0]),
+        lambda: vmm.unmap_from_kv_tensors([page_size]),
+        lambda: vmm.create_kv_tensors(page_size, 2, device, 1),
+    ):
+        with pytest.raises(ShutdownError, match="call init_kvcached\\(\\) first"):
+            call()
+    assert not vmm.kv_tensors_created()
+    vmm.init_kvcached(device, page_size=page_size)
+
+
+@pytest.mark.parametrize(
+    "dev, message",
+    [("tpu", "unknown device 'tpu'"), ("cuda:x", "index must be a non-negative integer"), ("cpu:1", "only 'cpu'")],
+)
+def test_bad_device_strings(dev, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        _C.backend_info(dev)
+
+
+def test_bad_fault_specs():
+    with pytest.raises(InvalidArgumentError, match="unknown backend operation 'mop'"):
+        _C.inject_fault("mop", 1)
+    with pytest.raises(InvalidArgumentError, match="nth must be >= 1"):
+        _C.inject_fault("map", 0)
+
+
+def test_page_allocator_rejects_bad_frees(vmm, device, page_size):
+    vmm.create_kv_tensors(4 * page_size, 2, device, 2, 2)
+    pa = _C.PageAllocator(2, 4 * page_size, page_size, enable_prealloc=False)
+    ids = pa.alloc_pages(2)
+    with pytest.raises(InvalidArgumentError, match="not in use \\(double free\\?\\)"):
+        pa.free_pages([ids[0], 3])
+    assert pa.get_num_inuse_pages() == 2
+    pa.free_page(ids[0])
+    with pytest.raises(InvalidArgumentError, match="not in use"):
+        pa.free_page(ids[0])
+    with pytest.raises(InvalidArgumentError, match="appears twice"):
+        pa.free_pages([ids[1], ids[1]])
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        pa.free_page(99)
+    with pytest.raises(InvalidArgumentError, match="exceeds the virtual capacity"):
+        pa.resize(8 * page_size)
+    with pytest.raises(InvalidArgumentError, match="n must be >= 1"):
+        pa.alloc_pages(0)
+    assert pa.get_num_inuse_pages() == 1
