@@ -13,7 +13,8 @@ def physical_bytes(device: str) -> int:
 
     Host: the committed size of every kvcached memfd this process holds
     (st_blocks of /proc/self/fd entries named memfd:kvcached-page).
-    CUDA: device memory in use as the driver reports it (total - free).
+    CUDA: device memory in use as the driver reports it (total - free),
+    less what torch's caching allocator holds (temporaries of the checks).
     """
     if device == "cpu":
         total = 0
@@ -25,8 +26,11 @@ def physical_bytes(device: str) -> int:
             except OSError:
                 continue
         return total
+    import torch
+
+    torch.cuda.synchronize()
     info = _C.backend_info(device)
-    return info["total_bytes"] - info["free_bytes"]
+    return info["total_bytes"] - info["free_bytes"] - torch.cuda.memory_reserved()
 
 
 def live_handles(device: str) -> int:

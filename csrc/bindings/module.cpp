@@ -261,26 +261,46 @@ PYBIND11_MODULE(_C, m) {
       .def("release", &Backend::release, release_gil())
       .def(
           "map_pages",
-          [](Backend& b, uintptr_t va, size_t page, size_t n) {
-            // create+map+set_access of n pages at va, va+page, ...: the raw driver loop.
+          [](Backend& b, uintptr_t va, size_t page, size_t n, PhysHandle zero) {
+            // The raw driver loop: create+map+set_access of n pages at va,
+            // va+page, ...; with a zero handle, each unit first gives up the
+            // zero page mapped there (the sequence kvcached itself runs).
             std::vector<PhysHandle> hs;
             hs.reserve(n);
             for (size_t i = 0; i < n; ++i) {
               PhysHandle h = b.create(page);
+              if (zero) b.unmap(va + i * page, page);
               b.map(va + i * page, page, h);
               b.set_access(va + i * page, page);
               hs.push_back(h);
             }
             return hs;
           },
-          release_gil())
+          py::arg("va"), py::arg("page"), py::arg("n"), py::arg("zero") = 0, release_gil())
       .def(
           "unmap_pages",
-          [](Backend& b, uintptr_t va, size_t page, const std::vector<PhysHandle>& hs) {
+          [](Backend& b, uintptr_t va, size_t page, const std::vector<PhysHandle>& hs, PhysHandle zero) {
             for (size_t i = 0; i < hs.size(); ++i) {
               b.unmap(va + i * page, page);
+              if (zero) {
+                b.map(va + i * page, page, zero);
+                b.set_access(va + i * page, page);
+              }
               b.release(hs[i], page);
             }
+          },
+          py::arg("va"), py::arg("page"), py::arg("handles"), py::arg("zero") = 0, release_gil())
+      .def(
+          "fill",
+          [](Backend& b, uintptr_t va, size_t page, size_t n, PhysHandle h) {
+            for (size_t i = 0; i < n; ++i) b.map(va + i * page, page, h);
+            b.set_access(va, page * n);
+          },
+          release_gil())
+      .def(
+          "clear",
+          [](Backend& b, uintptr_t va, size_t page, size_t n) {
+            for (size_t i = 0; i < n; ++i) b.unmap(va + i * page, page);
           },
           release_gil());
 
