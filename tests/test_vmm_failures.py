@@ -103,6 +103,7 @@ def test_release_failure_quarantines_handle_but_stays_consistent(vmm, device, pa
 
 
 def test_fault_spec_from_environment(tmp_path):
+    import os
     import subprocess
     import sys
 
@@ -115,7 +116,8 @@ def test_fault_spec_from_environment(tmp_path):
         "print(_C.faults_injected('create'))\n"
     )
     # The zero page is the 1st create; the map's first page is the 2nd.
-    env = {"KVCACHED_FAULT_INJECT": "create:2", "PATH": "/usr/bin:/bin"}
+    env = {k: v for k, v in os.environ.items() if k != "KVCACHED_FAULT_INJECT"}
+    env["KVCACHED_FAULT_INJECT"] = "create:2"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["BackendError", "1"]
