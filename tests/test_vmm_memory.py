@@ -80,3 +80,14 @@ def test_kv_tensors_created_and_info(vmm, device, page_size):
     assert info["num_pages"] == 4  # rounded up to whole pages
     assert info["buffer_size"] == 4 * page_size
     assert info["bytes_per_page"] == page_size * 2 * 2
+
+
+def test_torch_ops_are_registered(vmm, device, page_size):
+    layers = torch.ops.kvcached.create_kv_tensors(4 * page_size, 2, device, 2)
+    assert len(layers) == 2 and layers[0].shape[0] == 2
+    assert torch.ops.kvcached.kv_tensors_created(0)
+    torch.ops.kvcached.map_to_kv_tensors([page_size])
+    layers[1][:, 1].fill_(6)
+    assert int(layers[1][:, 1].min()) == 6
+    torch.ops.kvcached.unmap_from_kv_tensors([page_size])
+    assert int(layers[1].abs().sum()) == 0
