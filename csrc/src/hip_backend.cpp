@@ -102,7 +102,9 @@ class HipBackend final : public Backend {
     check(hip().MemAddressReserve(&p, size, alignment, nullptr, 0), "hipMemAddressReserve");
     return reinterpret_cast<uintptr_t>(p);
   }
-  void free_reservation(uintptr_t va, size_t size) override { hip().MemAddressFree(reinterpret_cast<void*>(va), size); }
+  void free_reservation(uintptr_t va, size_t size) override {
+    (void)hip().MemAddressFree(reinterpret_cast<void*>(va), size);
+  }
   void zero_fill(uintptr_t va, size_t size) override {
     bind_thread();
     check(hip().MemsetD8(reinterpret_cast<hipDeviceptr_t>(va), 0, size), "hipMemsetD8");
