@@ -8,4 +8,5 @@ BENCHMARKS = {
     "vmm": "map/unmap throughput through kvcached vs raw backend calls",
     "manager": "KVCacheManager alloc/free rate vs vLLM's native BlockPool",
     "ipc": "map fan-out round trip to worker processes",
+    "attention": "GPU decode attention over elastic vs native KV per layout, and map throughput",
 }

@@ -1,0 +1,1 @@
+"""GPU kernels used to prove and measure elastic KV (Triton; imported lazily)."""
