@@ -34,6 +34,7 @@ LIGHT_DEPS=(
   uvloop fastapi "uvicorn>=0.51" setproctitle xxhash partial_json_parser safetensors einops
   "openai==2.8.0" "xgrammar==0.2.7" python-multipart prometheus-client interegular
   "python-dateutil<3" regex scipy pyyaml jsonschema "soundfile==0.13.1" zstandard watchfiles
+  pytest  # test runner for the SGLang integration tests that run inside this venv
 )
 
 log() { printf '[setup_sglang_venv %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -72,21 +73,33 @@ CONSTRAINTS="$VENV/kvcached-sglang-constraints.txt"
 printf '%s\n' "${TORCH_PINS[@]}" > "$CONSTRAINTS"
 
 PIP=("$VPY" -m pip --disable-pip-version-check)
+# pip's output goes to a log in the venv: the resolver lists every GPU-only dependency of
+# sglang that we deliberately leave out ("sglang 0.5.23 requires ..., which is not
+# installed"); that is expected. The log's tail is shown if a step fails.
+PIP_LOG="$VENV/kvcached-setup-pip.log"
+: > "$PIP_LOG"
+pip_q() {
+  if ! "${PIP[@]}" "$@" >>"$PIP_LOG" 2>&1; then
+    tail -n 40 "$PIP_LOG" >&2
+    log "pip $* FAILED (full log: $PIP_LOG)"
+    exit 1
+  fi
+}
 
 log "step 1/4: torch 2.14.1 + torchvision 0.29.1 (CUDA build from the local wheel folder; runs on CPU)"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" "${TORCH_PINS[@]}"
+pip_q install -c "$CONSTRAINTS" "${TORCH_PINS[@]}"
 
 log "step 2/4: $SGLANG_PIN without its (GPU) dependencies"
-"${PIP[@]}" install -q --no-deps "$SGLANG_PIN"
+pip_q install --no-deps "$SGLANG_PIN"
 
 log "step 3/4: light dependencies (${#LIGHT_DEPS[@]} packages)"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" "${LIGHT_DEPS[@]}"
+pip_q install -c "$CONSTRAINTS" "${LIGHT_DEPS[@]}"
 
 # The PyPI torchaudio/torchcodec builds break transformers on CPU; never keep them.
 for p in torchaudio torchcodec; do
   if "${PIP[@]}" show -q "$p" >/dev/null 2>&1; then
     log "removing $p"
-    "${PIP[@]}" uninstall -q -y "$p"
+    pip_q uninstall -y "$p"
   fi
 done
 
