@@ -377,7 +377,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("used", &MemInfoSnapshot::used)
       .def_readonly("prealloc", &MemInfoSnapshot::prealloc)
       .def_readonly("total", &MemInfoSnapshot::total)
-      .def_readonly("updated_ns", &MemInfoSnapshot::updated_ns);
+      .def_readonly("updated_ns", &MemInfoSnapshot::updated_ns)
+      .def_readonly("owner_start_time", &MemInfoSnapshot::owner_start_time)
+      .def_readonly("granted", &MemInfoSnapshot::granted)
+      .def_readonly("device_bytes", &MemInfoSnapshot::device_bytes)
+      .def_readonly("applied_revision", &MemInfoSnapshot::applied_revision);
   py::class_<MemInfoTracker, std::shared_ptr<MemInfoTracker>>(m, "MemInfoTracker")
       .def_static("create", [](const std::string& n, const std::string& e, int dt, int di, int64_t total, int64_t limit) {
                     return std::make_shared<MemInfoTracker>(MemInfoTracker::create(n, e, dt, di, total, limit));
@@ -391,6 +395,10 @@ PYBIND11_MODULE(_C, m) {
       .def("set_total", &MemInfoTracker::set_total)
       .def("set_limit", &MemInfoTracker::set_limit, py::arg("limit"), py::arg("expected_revision") = -1)
       .def("wait_for_change", &MemInfoTracker::wait_for_change, py::arg("seen"), py::arg("timeout_ms"), release_gil())
+      .def("wake", &MemInfoTracker::wake)
+      .def("set_granted", &MemInfoTracker::set_granted, py::arg("bytes"))
+      .def("set_device_bytes", &MemInfoTracker::set_device_bytes, py::arg("bytes"))
+      .def("ack_revision", &MemInfoTracker::ack_revision, py::arg("revision"))
       .def("unlink", &MemInfoTracker::unlink);
   m.def("list_mem_info_records", &list_mem_info_records);
   m.def("delete_mem_info_record", &delete_mem_info_record, py::arg("name"), py::arg("force") = false);

@@ -148,6 +148,9 @@ MemInfoTracker MemInfoTracker::create(const std::string& name, const std::string
   r->prealloc.store(0);
   r->total.store(total);
   r->updated_ns.store(now_ns());
+  r->granted.store(0);
+  r->device_bytes.store(0);
+  r->applied_revision.store(0);
   copy_name(r->name, sizeof(r->name), name);
   copy_name(r->engine, sizeof(r->engine), engine);
   std::atomic_thread_fence(std::memory_order_release);
@@ -198,6 +201,9 @@ MemInfoSnapshot MemInfoTracker::snapshot() const {
   s.prealloc = rec_->prealloc.load(std::memory_order_acquire);
   s.total = rec_->total.load(std::memory_order_acquire);
   s.updated_ns = rec_->updated_ns.load(std::memory_order_acquire);
+  s.granted = rec_->granted.load(std::memory_order_acquire);
+  s.device_bytes = rec_->device_bytes.load(std::memory_order_acquire);
+  s.applied_revision = rec_->applied_revision.load(std::memory_order_acquire);
   s.owner_alive = process_alive(s.owner_pid, s.owner_start_time);
   return s;
 }
@@ -230,6 +236,24 @@ uint32_t MemInfoTracker::wait_for_change(uint32_t seen, int timeout_ms) const {
   // Shared (not private) futex: the word lives in a mapping other processes share.
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(&rec_->revision), FUTEX_WAIT, seen, &ts, nullptr, 0);
   return rec_->revision.load(std::memory_order_acquire);
+}
+
+void MemInfoTracker::wake() const {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&rec_->revision), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+void MemInfoTracker::set_granted(int64_t bytes) {
+  if (bytes < 0) invalid("granted bytes must be >= 0, got " + std::to_string(bytes));
+  rec_->granted.store(bytes, std::memory_order_release);
+}
+
+void MemInfoTracker::set_device_bytes(int64_t bytes) {
+  if (bytes < 0) invalid("device bytes must be >= 0, got " + std::to_string(bytes));
+  rec_->device_bytes.store(bytes, std::memory_order_release);
+}
+
+void MemInfoTracker::ack_revision(uint32_t revision) {
+  rec_->applied_revision.store(revision, std::memory_order_release);
 }
 
 void MemInfoTracker::unlink() { shm_unlink(shm_name(name_).c_str()); }

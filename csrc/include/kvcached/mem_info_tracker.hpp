@@ -8,6 +8,11 @@
 //    readers) and wake waiters with a futex on `revision`.
 //  - The owner publishes used/prealloc bytes; a watcher waits on the futex,
 //    so a limit change is seen at once without polling.
+//  - The owner also publishes `granted` (bytes of the device budget it holds,
+//    0 when it takes part in no budget), `device_bytes` (usable bytes of its
+//    device, 0 if unknown) and `applied_revision` (the last limit revision its
+//    PageAllocator enforces). wake() wakes the owner's watcher without a
+//    limit change (a peer asking it to give back unused budget).
 #pragma once
 
 #include <atomic>
@@ -38,8 +43,14 @@ struct MemInfoRecord {
   std::atomic<int64_t> updated_ns; // CLOCK_REALTIME of the last owner update
   char name[128];
   char engine[32];
-  char reserved1[64];
+  // Carved from the former 64 reserved bytes: the record size is unchanged.
+  std::atomic<int64_t> granted;            // device-budget bytes held by the owner
+  std::atomic<int64_t> device_bytes;       // usable bytes of the device (0: unknown)
+  std::atomic<uint32_t> applied_revision;  // last revision the owner enforces
+  uint32_t reserved2;
+  char reserved1[40];
 };
+static_assert(sizeof(MemInfoRecord) == 312, "the shared record layout must not change size");
 
 struct MemInfoSnapshot {
   std::string name;
@@ -55,6 +66,9 @@ struct MemInfoSnapshot {
   int64_t prealloc = 0;
   int64_t total = 0;
   int64_t updated_ns = 0;
+  int64_t granted = 0;
+  int64_t device_bytes = 0;
+  uint32_t applied_revision = 0;
 };
 
 class MemInfoTracker {
@@ -77,8 +91,15 @@ class MemInfoTracker {
   // Sets the limit; returns the new revision. If expected_revision >= 0 and
   // differs from the current one, nothing changes and -1 is returned.
   int64_t set_limit(int64_t limit, int64_t expected_revision);
-  // Blocks until revision != seen or timeout_ms passes; returns the revision.
+  // Blocks until revision != seen, timeout_ms passes or wake() is called;
+  // returns the revision.
   uint32_t wait_for_change(uint32_t seen, int timeout_ms) const;
+  // Wakes every wait_for_change on this record without changing it.
+  void wake() const;
+  // Owner-side fields (see the record comment).
+  void set_granted(int64_t bytes);
+  void set_device_bytes(int64_t bytes);
+  void ack_revision(uint32_t revision);
   // Removes the name from /dev/shm (open mappings stay valid).
   void unlink();
 

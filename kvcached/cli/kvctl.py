@@ -1,0 +1,251 @@
+"""kvctl: list, cap and clean up kvcached instances from the shell.
+
+    kvctl list [--json]
+    kvctl limit <name> <size> [--revision R] [--json]     size: 512M, 1.5G, bytes
+    kvctl limit-percent <name> <pct> [--revision R] [--json]   pct of the device's usable memory
+    kvctl watch [-n SEC] [--count N]
+    kvctl delete <name> [--force] [--json]
+    kvctl cleanup [--prefix P] [--json]                    delete every dead instance
+    kvctl kvtop [kvtop options]
+
+Exit status: 0 done; 2 bad input (one line on stderr naming the fix; nothing
+changed); 1 the write lost to another writer (stale/conflict) or the system
+failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, List, Optional, Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class BadInput(Exception):
+    """A user error: reported as one line, exit status 2, nothing changed."""
+
+
+def _print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def _parse_size_arg(text: str) -> int:
+    from kvcached.limits.units import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    if n <= 0:
+        raise BadInput(f"size {text!r} must be > 0; give a positive size such as 4G")
+    return n
+
+
+def _parse_revision(text: Optional[str]) -> Optional[int]:
+    if text is None:
+        return None
+    if not text.isdigit():
+        raise BadInput(f"--revision {text!r} must be a non-negative integer (the REV column of `kvctl list`)")
+    return int(text)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from kvcached.cli.table import records_table
+    from kvcached.limits.records import list_records
+
+    recs = list_records()
+    if args.json:
+        _print_json([r.to_dict() for r in recs])
+    else:
+        print(records_table(recs))
+    return EXIT_OK
+
+
+def _set_limit(name: str, limit: int, revision: Optional[int], as_json: bool, wait_s: float) -> int:
+    from kvcached.control import APPLIED, DEFERRED, REJECTED, set_instance_memory_limit
+    from kvcached.limits.units import format_size
+
+    r = set_instance_memory_limit(limit, revision, name=name, wait_s=wait_s)
+    if r == REJECTED:
+        raise BadInput(r.message)
+    if as_json:
+        _print_json(
+            {"name": r.name, "status": r.status, "revision": r.revision, "limit": r.limit, "mapped": r.mapped,
+             "message": r.message}
+        )
+    elif r in (APPLIED, DEFERRED):
+        print(f"{r.name}: limit {format_size(r.limit)} ({r.limit} bytes), revision {r.revision}: {r.status}"
+              + ("" if r == APPLIED else f" ({r.message})"))
+    else:
+        print(f"kvctl: {r.name}: {r.status}: {r.message}", file=sys.stderr)
+    return EXIT_OK if r in (APPLIED, DEFERRED) else EXIT_FAILED
+
+
+def cmd_limit(args: argparse.Namespace) -> int:
+    limit = _parse_size_arg(args.size)
+    return _set_limit(args.name, limit, _parse_revision(args.revision), args.json, args.wait)
+
+
+def cmd_limit_percent(args: argparse.Namespace) -> int:
+    from kvcached import _C
+    from kvcached.limits.records import read_record
+
+    try:
+        pct = float(args.pct.rstrip("%"))
+    except ValueError:
+        raise BadInput(f"percent {args.pct!r} is not a number; give a value in (0, 100]") from None
+    if not 0.0 < pct <= 100.0:
+        raise BadInput(f"percent {args.pct} is outside (0, 100]; give a value such as 50")
+    revision = _parse_revision(args.revision)
+    try:
+        rec = read_record(args.name)
+    except _C.KvcachedError as e:
+        raise BadInput(str(e)) from None
+    if rec.device_bytes <= 0:
+        raise BadInput(f"the usable memory of {rec.device} is unknown for {rec.name!r}; use `kvctl limit` with a size")
+    limit = int(rec.device_bytes * pct / 100.0)
+    if limit <= 0:
+        raise BadInput(f"{pct}% of {rec.device_bytes} bytes is 0 bytes; give a larger percent")
+    return _set_limit(args.name, limit, revision, args.json, args.wait)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from kvcached.cli.table import records_table
+    from kvcached.limits.records import list_records
+
+    if not args.interval > 0:
+        raise BadInput(f"-n {args.interval} must be > 0 seconds")
+    tty = sys.stdout.isatty()
+    n = 0
+    try:
+        while args.count is None or n < args.count:
+            if n:
+                time.sleep(args.interval)
+            frame = f"Every {args.interval:g}s: kvctl list    {time.strftime('%Y-%m-%d %H:%M:%S')}\n\n"
+            frame += records_table(list_records())
+            # On a terminal redraw in place; in a pipe keep every frame.
+            sys.stdout.write(("\x1b[H\x1b[2J" if tty else ("\n" if n else "")) + frame + "\n")
+            sys.stdout.flush()
+            n += 1
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from kvcached import _C
+
+    try:
+        _C.delete_mem_info_record(args.name, args.force)
+    except _C.InvalidArgumentError as e:
+        raise BadInput(str(e)) from None
+    if args.json:
+        _print_json({"deleted": [args.name]})
+    else:
+        print(f"deleted {args.name}")
+    return EXIT_OK
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    from kvcached import _C
+    from kvcached.limits.records import list_records
+
+    deleted: List[str] = []
+    for r in list_records():
+        if r.alive or not r.name.startswith(args.prefix):
+            continue
+        try:
+            _C.delete_mem_info_record(r.name, False)  # re-checks liveness: a restarted owner is kept
+            deleted.append(r.name)
+        except _C.KvcachedError:
+            continue
+    if args.json:
+        _print_json({"deleted": deleted})
+    else:
+        print(f"deleted {len(deleted)} dead instance(s)" + (": " + ", ".join(deleted) if deleted else ""))
+    return EXIT_OK
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
+        self.exit(EXIT_BAD_INPUT, f"kvctl: error: {message}; see `kvctl --help`\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvctl", description="Watch and cap kvcached instances (records in /dev/shm).")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    s = sub.add_parser("list", help="list instances (dead owners shown as dead)")
+    s.add_argument("--json", action="store_true", help="machine-readable output, bytes")
+    s.set_defaults(func=cmd_list)
+
+    for cmd, arg, helptext, func in (
+        ("limit", "size", "new limit: bytes or K/M/G/T suffix (e.g. 4G)", cmd_limit),
+        ("limit-percent", "pct", "percent (0, 100] of the device's usable memory", cmd_limit_percent),
+    ):
+        s = sub.add_parser(cmd, help=f"set an instance's KV memory limit ({helptext})")
+        s.add_argument("name")
+        s.add_argument(arg, help=helptext)
+        s.add_argument("--revision", help="write only if the record is still at this revision")
+        s.add_argument("--wait", type=float, default=0.5, help="seconds to wait for the owner to apply it")
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(func=func)
+
+    s = sub.add_parser("watch", help="print `kvctl list` every -n seconds")
+    s.add_argument("-n", "--interval", type=float, default=2.0)
+    s.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+    s.set_defaults(func=cmd_watch)
+
+    s = sub.add_parser("delete", help="remove an instance record (refused while its owner lives)")
+    s.add_argument("name")
+    s.add_argument("--force", action="store_true", help="remove even if the owner is alive")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_delete)
+
+    s = sub.add_parser("cleanup", help="remove every record whose owner is dead")
+    s.add_argument("--prefix", default="", help="only records whose name starts with this")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_cleanup)
+
+    # Listed for --help; main() hands `kvctl kvtop ...` to kvtop before parsing.
+    sub.add_parser("kvtop", help="live table of instances (same as `kvtop`; see `kvtop --help`)")
+    return p
+
+
+def _protect_negative_sizes(argv: List[str]) -> List[str]:
+    """``kvctl limit x -5M``: argparse would take ``-5M`` for an option and
+    answer "missing size"; pass it through so the answer is "must be > 0"."""
+    if argv and argv[0] in ("limit", "limit-percent") and "--" not in argv:
+        for i, tok in enumerate(argv[1:], 1):
+            if len(tok) > 1 and tok[0] == "-" and (tok[1].isdigit() or tok[1] == "."):
+                return argv[:i] + ["--"] + argv[i:]
+    return argv
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["kvtop"]:
+        # Its options belong to kvtop; argparse would claim the ones that look like kvctl's.
+        from kvcached.cli import kvtop
+
+        return kvtop.main(argv[1:])
+    args = build_parser().parse_args(_protect_negative_sizes(argv))
+    try:
+        return int(args.func(args))
+    except BadInput as e:
+        print(f"kvctl: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        return EXIT_OK  # `kvctl list | head`
+    except Exception as e:  # a system failure: one line, not a traceback
+        print(f"kvctl: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""kvtop: a live table of kvcached instances and their devices.
+
+    kvtop [-n SEC] [--once] [--count N]
+
+Reads the records in /dev/shm through the extension only: it imports neither
+torch nor any GPU library, so it runs over ssh on any box that has the
+records. On a terminal it redraws in place (q or Ctrl-C quits); in a pipe it
+prints one frame per refresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import socket
+import sys
+import time
+from typing import Optional, Sequence
+
+from kvcached.cli.table import device_summaries, percent, render
+from kvcached.limits.records import RecordView, list_records
+from kvcached.limits.units import format_size
+
+BAR_WIDTH = 20
+
+
+def bar(part: int, whole: int, width: int = BAR_WIDTH) -> str:
+    """``[#####.....]``: part of whole; ``!`` marks over the whole (shrinking)."""
+    if whole <= 0:
+        return "[" + "?" * width + "]"
+    filled = min(width, int(round(width * part / whole)))
+    over = part > whole
+    return "[" + ("!" if over else "#") * filled + "." * (width - filled) + "]"
+
+
+def frame(records: Sequence[RecordView], interval: float) -> str:
+    """One screen: header, per-device budget lines, per-instance rows."""
+    lines = [
+        f"kvtop  {socket.gethostname()}  {time.strftime('%Y-%m-%d %H:%M:%S')}  every {interval:g}s  (q quits)",
+        "",
+    ]
+    devs = device_summaries(records)
+    if devs:
+        rows = []
+        for d in devs:
+            usable, held, mapped = int(d["usable"]), int(d["held"]), int(d["mapped"])  # type: ignore[arg-type]
+            rows.append([
+                str(d["device"]),
+                format_size(usable) if usable else "-",
+                format_size(held),
+                format_size(mapped),
+                bar(mapped, usable) + " " + percent(mapped, usable),
+                f"{d['alive']} alive, {d['dead']} dead",
+            ])
+        lines.append(render(("DEVICE", "USABLE", "HELD", "MAPPED", "USE", "INSTANCES"), rows))
+        lines.append("")
+    if not records:
+        lines.append("no kvcached instances (records in /dev/shm readable by this user)")
+        return "\n".join(lines)
+    rows = []
+    for r in records:
+        rows.append([
+            r.name,
+            r.engine or "-",
+            r.device,
+            str(r.owner_pid),
+            r.state,
+            format_size(r.limit),
+            format_size(r.used),
+            format_size(r.prealloc),
+            format_size(r.granted) if r.granted else "-",
+            bar(r.mapped, r.limit) + " " + percent(r.mapped, r.limit),
+        ])
+    lines.append(render(("NAME", "ENGINE", "DEVICE", "PID", "STATE", "LIMIT", "USED", "PREALLOC", "GRANT", "MAPPED/LIMIT"), rows))
+    return "\n".join(lines)
+
+
+def _wait_for_quit(timeout: float, interactive: bool) -> bool:
+    """Sleeps up to ``timeout``; True if the user pressed q."""
+    if not interactive:
+        time.sleep(timeout)
+        return False
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    if ready:
+        ch = os.read(sys.stdin.fileno(), 1)
+        return ch in (b"q", b"Q", b"\x03")
+    return False
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="kvtop", description="Live table of kvcached instances.")
+    p.add_argument("-n", "--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--count", type=int, default=None, help="stop after this many frames")
+    args = p.parse_args(argv)
+    if not args.interval > 0:
+        print(f"kvtop: error: -n {args.interval} must be > 0 seconds", file=sys.stderr)
+        return 2
+    count = 1 if args.once else args.count
+    tty = sys.stdout.isatty() and not args.once
+    interactive = tty and sys.stdin.isatty()
+    old_term = None
+    if interactive:
+        import termios
+        import tty as ttymod
+
+        old_term = termios.tcgetattr(sys.stdin.fileno())
+        ttymod.setcbreak(sys.stdin.fileno())
+    if tty:
+        sys.stdout.write("\x1b[?1049h\x1b[?25l")  # alternate screen, hide cursor
+    n = 0
+    try:
+        while count is None or n < count:
+            text = frame(list_records(), args.interval)
+            if tty:
+                sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
+            else:
+                sys.stdout.write(("\n" if n else "") + text + "\n")
+            sys.stdout.flush()
+            n += 1
+            if count is not None and n >= count:
+                break
+            if _wait_for_quit(args.interval, interactive):
+                break
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        return 0
+    finally:
+        if tty:
+            sys.stdout.write("\x1b[?25h\x1b[?1049l")
+            sys.stdout.flush()
+        if old_term is not None:
+            import termios
+
+            termios.tcsetattr(sys.stdin.fileno(), termios.TCSADRAIN, old_term)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The device budget: how many bytes all kvcached instances on one device may
+map together, and the cross-process bookkeeping that keeps them under it.
+
+Usable bytes of a device:
+  GPU   ``KVCACHED_GPU_UTILIZATION`` (default 0.95) x device memory.
+  host  ``KVCACHED_HOST_MEMORY_BUDGET`` (bytes, K/M/G suffixes) when set,
+        else ``KVCACHED_GPU_UTILIZATION`` x MemTotal.
+
+Every instance record publishes what it maps (used + prealloc) and what it
+*holds*: ``granted``, the cap its PageAllocator enforces. An instance counts
+``max(granted, used + prealloc)`` against the budget (a dead owner counts 0:
+its memory died with it). Grants only grow under the device lock, after
+checking the sum, and a PageAllocator never maps past its grant, so
+
+    sum over live instances of mapped bytes <= budget
+
+holds at every moment, not just at check time. Grants shrink without the lock
+(lowering what others must leave free is always safe). The numbers read for
+the check are a snapshot; a grant that cannot be had is an allocation miss
+(OutOfMemoryError), never a crash.
+
+Scope: records are 0600, so a process sees (and counts) only its own user's
+instances (root sees all). ``scope`` narrows a budget to the instances whose
+names start with it (separate tenants or test runs on one host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
+
+from kvcached import _C
+from kvcached.errors import InvalidArgumentError
+from kvcached.limits.records import RecordView, device_name, list_records, parse_device
+from kvcached.limits.units import format_size, parse_size
+
+ENV_GPU_UTILIZATION = "KVCACHED_GPU_UTILIZATION"
+ENV_HOST_BUDGET = "KVCACHED_HOST_MEMORY_BUDGET"
+DEFAULT_GPU_UTILIZATION = 0.95
+_LOCK_DIR = "/dev/shm"
+
+
+def gpu_utilization() -> float:
+    """``KVCACHED_GPU_UTILIZATION`` as a fraction in (0, 1]; raises ValueError naming the fix."""
+    raw = os.environ.get(ENV_GPU_UTILIZATION, "")
+    if not raw:
+        return DEFAULT_GPU_UTILIZATION
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_GPU_UTILIZATION}={raw!r} is not a number; use a fraction such as 0.9") from None
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"{ENV_GPU_UTILIZATION}={raw!r} is outside (0, 1]; use a fraction such as 0.9")
+    return v
+
+
+def usable_device_bytes(device: str) -> int:
+    """Usable bytes of ``device`` per the environment (see the module docstring).
+
+    Asks the backend for the device's memory size unless
+    ``KVCACHED_HOST_MEMORY_BUDGET`` answers for the host.
+    """
+    dev_type, _ = parse_device(device)
+    if dev_type == 0:
+        raw = os.environ.get(ENV_HOST_BUDGET, "")
+        if raw:
+            try:
+                n = parse_size(raw)
+            except ValueError as e:
+                raise ValueError(f"{ENV_HOST_BUDGET}: {e}") from None
+            if n <= 0:
+                raise ValueError(f"{ENV_HOST_BUDGET}={raw!r} must be a positive size such as 8G")
+            return n
+    total = int(_C.backend_info(device)["total_bytes"])
+    return int(total * gpu_utilization())
+
+
+@dataclass(frozen=True)
+class BudgetSample:
+    """The records of one budget and their sum, read under the device lock."""
+
+    records: List[RecordView]
+    held: int
+    mapped: int
+    budget: int
+
+
+class DeviceBudget:
+    """The usable bytes of one device and the instances sharing them.
+
+    Cheap to build; it holds no resources between calls. Thread- and
+    process-safe: the lock is an flock on a per-user, per-device file in
+    /dev/shm, opened anew for each acquisition so threads of one process
+    exclude each other too.
+    """
+
+    def __init__(self, device: str, budget_bytes: int, *, scope: str = "") -> None:
+        self.device_type, self.device_index = parse_device(device)
+        self.device = device_name(self.device_type, self.device_index)
+        if int(budget_bytes) <= 0:
+            raise InvalidArgumentError(f"device budget must be > 0 bytes, got {budget_bytes}")
+        self.budget_bytes = int(budget_bytes)
+        self.scope = scope
+        suffix = f"-{hashlib.sha1(scope.encode()).hexdigest()[:12]}" if scope else ""
+        self._lock_path = os.path.join(
+            _LOCK_DIR, f"kvcached-budget-u{os.geteuid()}-{self.device_type}-{self.device_index}{suffix}.lock"
+        )
+
+    @classmethod
+    def from_env(cls, device: str, *, scope: str = "") -> "DeviceBudget":
+        """The budget of ``device`` per ``KVCACHED_GPU_UTILIZATION`` / ``KVCACHED_HOST_MEMORY_BUDGET``."""
+        return cls(device, usable_device_bytes(device), scope=scope)
+
+    def __repr__(self) -> str:
+        return f"DeviceBudget({self.device!r}, {format_size(self.budget_bytes)}, scope={self.scope!r})"
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Excludes every other grant change on this device (all processes of this user)."""
+        # O_NOFOLLOW + owner check: /dev/shm is world-writable, so refuse a
+        # planted symlink or another user's file instead of locking through it.
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                raise InvalidArgumentError(
+                    f"{self._lock_path} belongs to another user; remove it so kvcached can create its own"
+                )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # drops the flock
+
+    def members(self, exclude: Optional[str] = None) -> List[RecordView]:
+        """Live records of this device within the scope, except ``exclude``."""
+        return [
+            r
+            for r in list_records()
+            if r.alive
+            and r.device_type == self.device_type
+            and r.device_index == self.device_index
+            and r.name.startswith(self.scope)
+            and r.name != exclude
+        ]
+
+    def held_bytes(self, exclude: Optional[str] = None) -> int:
+        """Bytes the members hold (``max(granted, used + prealloc)`` each)."""
+        return sum(r.held for r in self.members(exclude))
+
+    def headroom(self, exclude: Optional[str] = None) -> int:
+        """Bytes not held by any member but ``exclude`` (may be < 0 after a budget change)."""
+        return self.budget_bytes - self.held_bytes(exclude)
+
+    def nudge(self, exclude: Optional[str] = None) -> int:
+        """Wakes the watcher of every member that holds more than it maps, so it
+        gives the difference back. Returns how many were woken."""
+        n = 0
+        for r in self.members(exclude):
+            if r.granted > r.mapped:
+                try:
+                    _C.MemInfoTracker.open(r.name).wake()
+                    n += 1
+                except _C.KvcachedError:
+                    continue  # gone meanwhile
+        return n
+
+    def sample(self) -> BudgetSample:
+        """A consistent view: no grant can grow while it is read."""
+        with self.lock():
+            recs = self.members()
+        return BudgetSample(
+            records=recs,
+            held=sum(r.held for r in recs),
+            mapped=sum(r.mapped for r in recs),
+            budget=self.budget_bytes,
+        )

@@ -1,0 +1,407 @@
+"""InstanceLimits: the owner side of one instance's record.
+
+It creates the record of one KV group (``kvctl list`` shows it), attaches it to
+the group's PageAllocator (which then publishes used/prealloc bytes after every
+change), and runs a watcher thread that sleeps in a futex wait on the record's
+revision. When ``kvctl limit`` (or ``kvcached.control``) writes a limit, the
+watcher wakes at once and applies it:
+
+  grow    the PageAllocator's cap rises at once (within the device budget);
+  shrink  the cap drops at once, so no new page is mapped past it; unused
+          mapped pages (the reserve) are unmapped at once; pages holding live
+          blocks are unmapped only when the manager frees them (gradual).
+
+InstanceLimits is the only caller of ``PageAllocator.set_mem_limit`` for the
+allocator it is attached to; the cap it sets is ``min(limit, grant)`` where the
+grant is this instance's share of the device budget (see ``budget.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Dict, Optional, Union
+
+from kvcached import _C
+from kvcached.errors import InvalidArgumentError, OutOfMemoryError
+from kvcached.limits.budget import DeviceBudget
+from kvcached.limits.naming import group_record_name, instance_name, validate_name
+from kvcached.limits.records import RecordView, parse_device
+from kvcached.limits.units import format_size
+
+logger = logging.getLogger(__name__)
+
+FROM_ENV = "env"
+# The watcher is woken by every limit write and by close(); this timeout only
+# bounds how long unused budget stays held by an idle instance.
+_IDLE_WAKE_MS = 10_000
+
+# How long a sum of what the other instances hold may be reused by
+# num_free_pages(): it is called on every scheduling step and reads every record.
+_PEER_SUM_TTL_S = 0.05
+
+# Instances owned by this process, for kvcached.control's default target.
+_live: "weakref.WeakValueDictionary[str, InstanceLimits]" = weakref.WeakValueDictionary()
+
+
+def owned_instances() -> Dict[str, "InstanceLimits"]:
+    """Records this process owns and has not closed, by name."""
+    return dict(_live)
+
+
+class InstanceLimits:
+    """Owns the record of one instance (one KV group) and enforces its limit.
+
+    Life cycle: construct (creates the record; a dead owner's record of the
+    same name is reclaimed, a live one refused) -> ``attach(pa)`` (publishes
+    usage, applies the limit, starts the watcher) -> the manager calls
+    ``admit_pages(n)`` before ``pa.alloc_pages(n)`` -> ``close()`` (or process
+    exit) stops the watcher and unlinks the record.
+
+    Args:
+        engine: ``vllm``/``sglang``/any short tag shown by kvctl.
+        device: ``cpu``, ``cuda:N`` or ``hip:N`` (the device the pages live on).
+        total_bytes: virtual capacity of the group over all layers and K/V.
+        name: record name of the instance; default ``KVCACHED_IPC_NAME`` or
+            ``kvcached_<engine>_<pgid>``. Group ``g > 0`` gets ``<name>_g<g>``.
+        group_id: the KV group this record covers.
+        limit_bytes: initial limit; default the smaller of ``total_bytes`` and
+            the device budget.
+        budget: a DeviceBudget, ``"env"`` (default: from the environment) or
+            None (no device budget: only this instance's limit caps it).
+        quantum_bytes: how much budget to take at a time beyond the immediate
+            need (so the reserve pool can pre-map); default 1/64 of the budget,
+            at least one page.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: str,
+        device: str,
+        total_bytes: int,
+        name: Optional[str] = None,
+        group_id: int = 0,
+        limit_bytes: Optional[int] = None,
+        budget: Union[DeviceBudget, str, None] = FROM_ENV,
+        quantum_bytes: Optional[int] = None,
+    ) -> None:
+        if total_bytes <= 0:
+            raise InvalidArgumentError(f"total_bytes must be > 0, got {total_bytes}")
+        base = validate_name(name) if name else instance_name(engine)
+        self.name = group_record_name(base, group_id)
+        self.group_id = group_id
+        self.engine = engine
+        dev_type, dev_index = parse_device(device)
+        if budget == FROM_ENV:
+            budget = DeviceBudget.from_env(device)
+        elif isinstance(budget, str):
+            raise InvalidArgumentError(f"budget must be a DeviceBudget, 'env' or None, got {budget!r}")
+        self.budget: Optional[DeviceBudget] = budget
+        if budget is not None:
+            device_bytes = budget.budget_bytes
+        else:
+            device_bytes = int(_C.backend_info(device)["total_bytes"])
+        if limit_bytes is None:
+            limit_bytes = min(int(total_bytes), device_bytes) if device_bytes > 0 else int(total_bytes)
+        if limit_bytes <= 0:
+            raise InvalidArgumentError(f"limit_bytes must be > 0, got {limit_bytes}")
+        if device_bytes > 0 and limit_bytes > device_bytes:
+            raise InvalidArgumentError(
+                f"limit {format_size(limit_bytes)} exceeds the usable memory of {device} "
+                f"({format_size(device_bytes)}); give a smaller limit_bytes"
+            )
+        self._quantum_req = quantum_bytes
+        self._tracker = _C.MemInfoTracker.create(self.name, engine, dev_type, dev_index, int(total_bytes), int(limit_bytes))
+        self._tracker.set_device_bytes(device_bytes)
+        self._owner_pid = os.getpid()
+        self._lock = threading.RLock()  # guards limit/grant/cap and the PageAllocator cap
+        self._limit = int(limit_bytes)
+        self._grant = 0 if budget is not None else -1  # -1: no budget
+        self._cap = -1
+        self._published = 0  # the `granted` bytes last written to the record
+        self._pa: Any = None
+        self._bpp = 1
+        self._quantum = 1
+        self._applied_revision = 0
+        self._peer_sum = (-1.0, 0)  # (monotonic time, bytes held by the other members)
+        self._stopping = False
+        self._watcher: Optional[threading.Thread] = None
+        self._closed = False
+        _live[self.name] = self
+        # Clean shutdown unlinks the record; a weak reference, so the registry
+        # keeps no instance alive that its owner dropped.
+        ref = weakref.ref(self)
+        self._atexit = lambda: (ref() and ref().close())  # noqa: E731
+        atexit.register(self._atexit)
+
+    # ---- properties --------------------------------------------------------
+    @property
+    def tracker(self) -> "_C.MemInfoTracker":
+        return self._tracker
+
+    @property
+    def limit(self) -> int:
+        """The operator's limit as last applied (bytes)."""
+        return self._limit
+
+    @property
+    def cap(self) -> int:
+        """What the PageAllocator may map now: ``min(limit, grant)`` (-1 before attach)."""
+        return self._cap
+
+    @property
+    def applied_revision(self) -> int:
+        return self._applied_revision
+
+    def record(self) -> RecordView:
+        return RecordView.from_snapshot(self._tracker.snapshot())
+
+    # ---- attach / watcher --------------------------------------------------
+    def attach(self, pa: Any) -> "InstanceLimits":
+        """Attaches the record to ``pa`` and starts enforcing the limit.
+
+        Attach before the allocator maps anything (pages it mapped earlier are
+        counted from now on, never unmapped). Returns self.
+        """
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError(f"InstanceLimits {self.name!r} is closed")
+            if self._pa is not None:
+                raise InvalidArgumentError(f"InstanceLimits {self.name!r} is already attached to a PageAllocator")
+            self._pa = pa
+            self._bpp = int(pa.bytes_per_page)
+            if self.budget is not None:
+                q = self._quantum_req if self._quantum_req is not None else self.budget.budget_bytes // 64
+                self._quantum = max(self._bpp, (int(q) // self._bpp) * self._bpp)
+            pa.attach_tracker(self._tracker)
+            if self.budget is not None:
+                # The first grant: what is already mapped plus one quantum, if free.
+                with self.budget.lock():
+                    avail = self.budget.headroom(exclude=self.name)
+                    mapped = self._mapped_bytes()
+                    self._grant = max(mapped, min(self._limit, mapped + self._quantum, max(avail, 0)))
+                    self._enforce_locked()
+            self._apply_limit()
+        self._watcher = threading.Thread(target=self._watch, name=f"kvcached-limits-{self.name}", daemon=True)
+        self._watcher.start()
+        return self
+
+    @classmethod
+    def for_page_allocator(cls, pa: Any, *, engine: str, device: str, **kwargs: Any) -> "InstanceLimits":
+        """Creates the record for ``pa`` (capacity taken from it) and attaches it."""
+        total = int(pa.get_num_virtual_pages()) * int(pa.bytes_per_page)
+        return cls(engine=engine, device=device, total_bytes=total, **kwargs).attach(pa)
+
+    def _mapped_bytes(self) -> int:
+        # Includes maps in flight: the allocator counts a page before mapping it.
+        return int(self._pa.get_num_mapped_pages()) * self._bpp
+
+    def _watch(self) -> None:
+        seen = self._applied_revision
+        while not self._stopping:
+            t0 = time.monotonic()
+            rev = self._tracker.wait_for_change(seen, _IDLE_WAKE_MS)
+            if self._stopping:
+                return
+            try:
+                if rev != seen:
+                    seen = self._apply_limit()
+                elif self.budget is not None:
+                    # Woken early without a write: a peer is short of budget and
+                    # asks for everything unused back, the reserve pool too.
+                    # On the idle timeout keep one quantum for the pool.
+                    woken = (time.monotonic() - t0) * 1000 < _IDLE_WAKE_MS * 0.9
+                    if woken:
+                        self.release_slack(0, trim_reserve=True)
+                    else:
+                        self.release_slack(self._quantum)
+            except Exception:  # keep watching: a failed apply is retried on the next write
+                logger.exception("kvcached: applying the limit of %s failed", self.name)
+
+    def _apply_limit(self) -> int:
+        """Reads the record's limit and enforces it; returns the revision applied."""
+        snap = self._tracker.snapshot()
+        with self._lock:
+            self._limit = int(snap.limit)
+            if self.budget is not None and self._grant > self._limit:
+                self._grant = max(self._limit, 0)  # budget above the limit is of no use: give it back
+            self._enforce_locked()
+            self._applied_revision = int(snap.revision)
+        self._tracker.ack_revision(snap.revision)
+        return int(snap.revision)
+
+    def _enforce_locked(self) -> None:
+        """Sets the allocator's cap to min(limit, grant) and publishes the grant.
+
+        Order matters for peers reading the record: a higher grant is published
+        before the cap rises; a lower one after the cap fell (then floored at
+        what is mapped, maps in flight included), so the record never shows
+        less than the allocator may map.
+        """
+        if self._pa is None:
+            return
+        cap = self._limit if self._grant < 0 else min(self._limit, self._grant)
+        if self._grant >= 0 and cap > self._cap:
+            self._tracker.set_granted(cap)
+            self._published = cap
+        self._pa.set_mem_limit(cap)
+        self._cap = cap
+        mapped = self._mapped_bytes()
+        if mapped > cap:
+            # Unused mapped pages go at once; pages with live blocks stay
+            # mapped until freed (the allocator unmaps them then).
+            self._pa.trim()
+            mapped = self._mapped_bytes()
+        if self._grant >= 0:
+            self._published = max(cap, mapped)
+            self._tracker.set_granted(self._published)
+
+    # ---- the device-budget gate -------------------------------------------
+    def admit_pages(self, n_pages: int) -> None:
+        """Makes room in the device budget for allocating ``n_pages`` pages.
+
+        Call right before ``pa.alloc_pages(n_pages)`` (inside the same
+        ``try`` that handles OutOfMemoryError). Cheap when the allocator can
+        serve from its reserve or within the grant it holds (no lock, no
+        syscall); otherwise it takes the device lock, sums what the other
+        instances hold and grows the grant.
+
+        Raises:
+            OutOfMemoryError: the device budget cannot cover the fresh pages;
+                peers holding unused budget are asked to give it back, so a
+                retry later may succeed. Nothing changed.
+        """
+        if self.budget is None or self._pa is None:
+            return  # the allocator enforces the limit itself
+        fresh = int(n_pages) - int(self._pa.get_num_reserved_pages())
+        if fresh <= 0:
+            return
+        need = self._mapped_bytes() + fresh * self._bpp
+        if need <= self._cap or need > self._limit:
+            return  # within the grant, or the allocator's own limit check answers
+        with self._lock:
+            if self._closed:
+                return
+            with self.budget.lock():
+                others = self.budget.held_bytes(exclude=self.name)
+                avail = self.budget.budget_bytes - others
+                need = self._mapped_bytes() + fresh * self._bpp
+                if need > avail:
+                    short = need - avail
+                else:
+                    short = 0
+                    self._grant = max(self._grant, min(self._limit, need + self._quantum, avail))
+                    self._enforce_locked()
+            if short:
+                self.budget.nudge(exclude=self.name)
+                raise OutOfMemoryError(
+                    f"device budget of {self.budget.device} exhausted: other instances hold {format_size(others)} "
+                    f"of {format_size(self.budget.budget_bytes)}; {self.name} needs {format_size(short)} more "
+                    "(retry after they free memory, or raise KVCACHED_GPU_UTILIZATION / lower their limits)"
+                )
+
+    def num_free_pages(self) -> int:
+        """Pages an allocation could get now: use it where the manager would ask
+        ``pa.get_num_free_pages()``.
+
+        The allocator alone answers within the grant this instance holds; this
+        adds what the device budget could still grant (a snapshot of what the
+        other instances hold, at most 50 ms old). It is a capacity check, not a
+        reservation: ``admit_pages()`` may still miss.
+        """
+        pa = self._pa
+        if pa is None:
+            return 0
+        free_now = int(pa.get_num_free_pages())
+        if self.budget is None:
+            return free_now
+        now = time.monotonic()
+        t, others = self._peer_sum
+        if now - t > _PEER_SUM_TTL_S:
+            others = self.budget.held_bytes(exclude=self.name)
+            self._peer_sum = (now, others)
+        reachable_pages = min(self._limit, self.budget.budget_bytes - others) // self._bpp
+        mapped = int(pa.get_num_mapped_pages())
+        if reachable_pages <= max(self._cap, 0) // self._bpp:
+            return free_now
+        # Free pages inside the target, at least: every page not mapped or quarantined.
+        unmapped_in_target = int(pa.get_num_total_pages()) - mapped - int(pa.get_num_quarantined_pages())
+        est = int(pa.get_num_reserved_pages()) + max(0, min(unmapped_in_target, reachable_pages - mapped))
+        return max(free_now, est)
+
+    def release_slack(self, keep_bytes: int = 0, trim_reserve: bool = False) -> None:
+        """Gives back budget held beyond what is mapped plus ``keep_bytes``;
+        with ``trim_reserve`` unmaps the reserve pool first (mapped pages no
+        block uses), so only pages holding blocks stay held.
+
+        The watcher calls it when a peer asks (trimming) and when idle.
+        """
+        if self.budget is None or self._pa is None:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            if trim_reserve:
+                self._pa.trim()
+            mapped = self._mapped_bytes()
+            target = mapped + max(0, int(keep_bytes))
+            # The record may also show more than needed after a shrink below
+            # what was mapped (the grant is floored at mapped bytes then).
+            if self._grant > target or self._published > max(self._cap, mapped):
+                self._grant = min(self._grant, target)
+                self._enforce_locked()
+
+    def on_free(self) -> None:
+        """Cheap hook after frees: gives back slack beyond two quanta."""
+        if self.budget is not None and self._pa is not None and self._published - self._mapped_bytes() > 2 * self._quantum:
+            self.release_slack(self._quantum)
+
+    # ---- shutdown ------------------------------------------------------------
+    def close(self) -> None:
+        """Stops the watcher, detaches the allocator and unlinks the record.
+
+        Idempotent. Only the creating process unlinks (a forked child that
+        inherited this object leaves the parent's record alone), and only if the
+        name still names this record.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping = True
+        w = self._watcher
+        if w is not None and w is not threading.current_thread():
+            # A wake can race with the watcher entering its wait; repeat until it is out.
+            while w.is_alive():
+                self._tracker.wake()
+                w.join(0.01)
+        if os.getpid() != self._owner_pid:
+            return
+        if self._pa is not None:
+            self._pa.attach_tracker(None)
+        try:
+            atexit.unregister(self._atexit)
+        except Exception:
+            pass
+        _live.pop(self.name, None)
+        try:
+            cur = _C.MemInfoTracker.open(self.name).snapshot()
+        except _C.KvcachedError:
+            return  # already deleted (kvctl delete --force)
+        mine = self._tracker.snapshot()
+        if cur.owner_pid == mine.owner_pid and cur.owner_start_time == mine.owner_start_time:
+            self._tracker.unlink()
+
+    def __enter__(self) -> "InstanceLimits":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"InstanceLimits({self.name!r}, limit={format_size(self._limit)}, cap={format_size(max(self._cap, 0))})"

@@ -1,0 +1,166 @@
+"""Read-only views of the instance records in /dev/shm, for tools.
+
+Only the extension's record code is used (no torch, no GPU library), so
+``kvctl`` and ``kvtop`` work over ssh on a machine whose GPU stack is broken.
+A record's fields are read atomically one by one; limit and revision together
+(seqlock), so a view never pairs a limit with another write's revision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Tuple
+
+from kvcached import _C
+
+DEVICE_HOST, DEVICE_CUDA, DEVICE_HIP = 0, 1, 2
+_DEVICE_KINDS = {DEVICE_HOST: "cpu", DEVICE_CUDA: "cuda", DEVICE_HIP: "hip"}
+
+
+def device_name(device_type: int, device_index: int) -> str:
+    """``cpu``, ``cuda:N`` or ``hip:N`` for a record's device fields."""
+    if device_type == DEVICE_HOST:
+        return "cpu"
+    return f"{_DEVICE_KINDS.get(device_type, f'type{device_type}')}:{device_index}"
+
+
+def parse_device(device: str) -> Tuple[int, int]:
+    """(device_type, device_index) of a device string; ``cuda`` alone is ``cuda:0``.
+
+    Raises ValueError for anything but ``cpu``, ``cuda[:N]``, ``hip[:N]``.
+    """
+    kind, _, idx = str(device).partition(":")
+    codes = {v: k for k, v in _DEVICE_KINDS.items()}
+    if kind not in codes:
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda:N' or 'hip:N'")
+    if kind == "cpu":
+        if idx not in ("", "0"):
+            raise ValueError(f"device {device!r}: the host backend has only 'cpu'")
+        return DEVICE_HOST, 0
+    if idx and not idx.isdigit():
+        raise ValueError(f"device {device!r}: index must be a non-negative integer")
+    return codes[kind], int(idx or 0)
+
+
+@dataclass(frozen=True)
+class RecordView:
+    """One record as read at one moment. Bytes everywhere.
+
+    ``limit``: what the instance may map (all layers, K and V);
+    ``used``: bytes of pages holding blocks; ``prealloc``: mapped, unused;
+    ``total``: virtual capacity; ``granted``: device-budget bytes the owner
+    holds (0: takes part in no budget); ``device_bytes``: usable bytes of the
+    device (0: unknown); ``revision``: bumped by every limit write;
+    ``applied_revision``: the last revision the owner enforces.
+    """
+
+    name: str
+    engine: str
+    device: str
+    device_type: int
+    device_index: int
+    owner_pid: int
+    alive: bool
+    revision: int
+    applied_revision: int
+    limit: int
+    used: int
+    prealloc: int
+    total: int
+    granted: int
+    device_bytes: int
+    updated_ns: int
+
+    @property
+    def mapped(self) -> int:
+        """Bytes of physical memory the instance holds now."""
+        return self.used + self.prealloc
+
+    @property
+    def held(self) -> int:
+        """Bytes of the device this instance counts against a budget.
+
+        A dead owner holds nothing: the OS/driver freed its memory with it.
+        """
+        return max(self.granted, self.mapped) if self.alive else 0
+
+    @property
+    def pending(self) -> bool:
+        """True while a live owner has not yet enforced the latest limit write.
+
+        An owner that never acknowledges (``applied_revision`` 0: a record
+        not managed by InstanceLimits) is never shown pending.
+        """
+        return self.alive and self.applied_revision != 0 and self.applied_revision != self.revision
+
+    @property
+    def state(self) -> str:
+        """``alive``, ``pending`` (live, latest limit not yet enforced) or ``dead``."""
+        if not self.alive:
+            return "dead"
+        return "pending" if self.pending else "alive"
+
+    # Upstream (MemInfoStruct) names, for code written against it.
+    @property
+    def total_size(self) -> int:
+        """Upstream name of the limit."""
+        return self.limit
+
+    @property
+    def used_size(self) -> int:
+        return self.used
+
+    @property
+    def prealloc_size(self) -> int:
+        return self.prealloc
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d.update(mapped=self.mapped, held=self.held, state=self.state)
+        return d
+
+    @classmethod
+    def from_snapshot(cls, s: "_C.MemInfoSnapshot") -> "RecordView":
+        return cls(
+            name=s.name,
+            engine=s.engine,
+            device=device_name(s.device_type, s.device_index),
+            device_type=s.device_type,
+            device_index=s.device_index,
+            owner_pid=s.owner_pid,
+            alive=s.owner_alive,
+            revision=s.revision,
+            applied_revision=s.applied_revision,
+            limit=s.limit,
+            used=s.used,
+            prealloc=s.prealloc,
+            total=s.total,
+            granted=s.granted,
+            device_bytes=s.device_bytes,
+            updated_ns=s.updated_ns,
+        )
+
+
+def read_record(name: str) -> RecordView:
+    """The record named ``name``.
+
+    Raises:
+        InvalidArgumentError: no such instance, another user's record, or not
+            a kvcached record (the message says which and what to do).
+    """
+    return RecordView.from_snapshot(_C.MemInfoTracker.open(name).snapshot())
+
+
+def list_records() -> List[RecordView]:
+    """Every record this user can read, sorted by device then name.
+
+    A record removed between listing and reading is skipped, not an error.
+    """
+    out: List[RecordView] = []
+    for name in _C.list_mem_info_records():
+        try:
+            out.append(read_record(name))
+        except _C.KvcachedError:
+            continue
+    out.sort(key=lambda r: (r.device_type, r.device_index, r.name))
+    return out

@@ -1,0 +1,46 @@
+"""Byte sizes as people type them (``512M``, ``1.5G``, ``2GiB``) and as tools
+print them. Binary multiples throughout: ``1K`` is 1024 bytes, as in GPU
+memory figures."""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Parses ``text`` into a byte count.
+
+    Accepts an integer or decimal number with an optional K/M/G/T suffix
+    (case-insensitive, optionally followed by ``B`` or ``iB``). Fractions are
+    rounded down to whole bytes. The sign is kept, so callers can tell a
+    negative size apart from garbage and say so.
+
+    Raises:
+        ValueError: the text is not a size; the message says what is accepted.
+    """
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a size; use bytes or a number with K, M, G or T (e.g. 512M, 1.5G)")
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is too large")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """Formats a byte count compactly: ``0``, ``512``, ``64.0K``, ``1.50G``."""
+    n = int(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n < 1024:
+        return f"{sign}{n}"
+    for unit in ("K", "M", "G", "T"):
+        n_unit = n / _UNITS[unit]
+        if n_unit < 1024 or unit == "T":
+            digits = 2 if n_unit < 10 else 1
+            return f"{sign}{n_unit:.{digits}f}{unit}"
+    raise AssertionError("unreachable")

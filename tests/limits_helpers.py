@@ -1,0 +1,105 @@
+"""Shared pieces of the limits tests: instance worker processes, kvctl runs,
+unique record names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from typing import Any, Dict, List, Optional
+
+from kvcached import _C
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "limits_worker.py")
+PAGE = 64 * 1024
+LAYERS = 2
+BPP = PAGE * LAYERS * 2  # bytes per kvcached page over all layers, K and V
+
+
+def unique_prefix() -> str:
+    """A record-name prefix no other test run uses (also a budget scope)."""
+    return f"kvt{os.getpid()}x{uuid.uuid4().hex[:6]}_"
+
+
+class Worker:
+    """An instance in a child process (tests/limits_worker.py)."""
+
+    def __init__(self, **cfg: Any) -> None:
+        self.name = cfg["name"]
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER, json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.name} failed to start: {self.proc.stderr.read()}")
+        self.ready: Dict[str, Any] = json.loads(line)["ready"]
+        self.pid = self.ready["pid"]
+
+    def call(self, op: str, **kw: Any) -> Dict[str, Any]:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.name} died: {self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def send(self, op: str, **kw: Any) -> None:
+        """Starts a command without waiting for its answer (see ``result``)."""
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> Dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.name} died: {self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def exit(self) -> None:
+        self.call("exit")
+        self.proc.wait(10)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except Exception:
+                pass
+
+
+def kvctl(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    """Runs the kvctl console script as an operator would."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvcached.cli.kvctl", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def kvctl_list_json() -> List[Dict[str, Any]]:
+    r = kvctl("list", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def remove_records(prefix: str) -> None:
+    """Deletes every record whose name starts with ``prefix`` (test cleanup)."""
+    for n in _C.list_mem_info_records():
+        if n.startswith(prefix):
+            try:
+                _C.delete_mem_info_record(n, True)
+            except _C.KvcachedError:
+                pass
+
+
+def record_state(name: str) -> Optional[tuple]:
+    """(revision, limit) of a record, or None if it is gone."""
+    try:
+        s = _C.MemInfoTracker.open(name).snapshot()
+    except _C.KvcachedError:
+        return None
+    return (s.revision, s.limit)

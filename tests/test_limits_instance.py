@@ -1,0 +1,296 @@
+"""InstanceLimits, DeviceBudget and kvcached.control inside one process, over
+a real PageAllocator on the host backend."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pytest
+
+from kvcached import _C
+from kvcached.control import set_instance_memory_limit
+from kvcached.errors import InvalidArgumentError, OutOfMemoryError
+from kvcached.limits import DeviceBudget, InstanceLimits, format_size, parse_size
+from kvcached.limits.naming import default_instance_name, group_record_name, instance_name, validate_name
+from limits_helpers import BPP, LAYERS, PAGE, record_state, remove_records, unique_prefix
+
+PAGES = 16
+
+
+@pytest.fixture
+def host():
+    """Host backend with two KV groups of PAGES pages; a PageAllocator factory."""
+    _C.clear_faults()
+    _C.init_kvcached("cpu", PAGE, False)
+    for g in (0, 1):
+        _C.create_kv_tensors(PAGES * PAGE, LAYERS, 2, g)
+    made = []
+
+    def make(group: int = 0, **kw):
+        kw.setdefault("enable_prealloc", False)
+        kw.setdefault("max_reserved", 4)
+        pa = _C.PageAllocator(LAYERS, PAGES * PAGE, PAGE, group_id=group, **kw)
+        made.append(pa)
+        return pa
+
+    yield make
+    for pa in made:
+        pa.stop_prealloc_thread()
+    _C.shutdown_kvcached()
+
+
+@pytest.fixture
+def prefix():
+    p = unique_prefix()
+    yield p
+    remove_records(p)
+
+
+def wait_applied(limits: InstanceLimits, revision: int, timeout: float = 2.0) -> float:
+    """Seconds until the owner enforces ``revision`` (fails the test after ``timeout``)."""
+    t0 = time.monotonic()
+    while limits.record().applied_revision < revision:
+        assert time.monotonic() - t0 < timeout, f"limit revision {revision} not applied within {timeout}s"
+        time.sleep(0.001)
+    return time.monotonic() - t0
+
+
+def test_record_is_private_and_unlinked_on_close(host, prefix):
+    pa = host()
+    lim = InstanceLimits.for_page_allocator(pa, engine="vllm", device="cpu", name=prefix + "a", budget=None)
+    st = os.stat(f"/dev/shm/{prefix}a")
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+    rec = lim.record()
+    assert (rec.engine, rec.device, rec.owner_pid, rec.alive) == ("vllm", "cpu", os.getpid(), True)
+    assert rec.total == PAGES * BPP and rec.limit == PAGES * BPP and rec.applied_revision == rec.revision
+    with pytest.raises(InvalidArgumentError, match="belongs to live process"):
+        InstanceLimits(engine="vllm", device="cpu", total_bytes=BPP, name=prefix + "a", budget=None)
+    lim.close()
+    lim.close()  # idempotent
+    assert not os.path.exists(f"/dev/shm/{prefix}a")
+
+
+def test_group_records_have_their_own_names(host, prefix):
+    a = InstanceLimits.for_page_allocator(host(0), engine="t", device="cpu", name=prefix + "i", budget=None)
+    b = InstanceLimits.for_page_allocator(host(1), engine="t", device="cpu", name=prefix + "i", group_id=1, budget=None)
+    try:
+        assert (a.name, b.name) == (prefix + "i", prefix + "i_g1")
+        assert record_state(prefix + "i_g1") is not None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shrink_is_gradual_and_never_unmaps_a_live_page(host, prefix):
+    pa = host()
+    lim = InstanceLimits.for_page_allocator(pa, engine="t", device="cpu", name=prefix + "s", budget=None)
+    try:
+        ids = pa.alloc_pages(8)
+        pa.free_pages(ids[6:])
+        live = ids[:6]
+        assert pa.get_num_reserved_pages() == 2
+        writer = _C.MemInfoTracker.open(prefix + "s")  # another handle, as kvctl holds
+        rev = writer.set_limit(3 * BPP)
+        wait_applied(lim, rev)
+        assert pa.mem_limit() == 3 * BPP
+        assert pa.get_num_reserved_pages() == 0  # unused mapped pages went at once
+        assert pa.get_num_inuse_pages() == 6
+        mapped = set(_C.mapped_offsets())
+        assert {i * PAGE for i in live} <= mapped  # every live page still mapped
+        with pytest.raises(OutOfMemoryError):
+            pa.alloc_page()  # over the limit: nothing new is mapped
+        pa.free_pages(live[:4])
+        assert pa.get_num_mapped_pages() == 2 and lim.record().mapped == 2 * BPP
+        assert pa.alloc_page() is not None  # 3 of 3
+        rev = writer.set_limit(12 * BPP)  # grow applies at once
+        wait_applied(lim, rev)
+        assert len(pa.alloc_pages(9)) == 9
+        assert lim.record().used == 12 * BPP
+    finally:
+        lim.close()
+
+
+def test_budget_gate_shares_one_device_between_instances(host, prefix):
+    budget = DeviceBudget("cpu", 10 * BPP, scope=prefix)
+    pa_a, pa_b = host(0), host(1)
+    a = InstanceLimits.for_page_allocator(pa_a, engine="t", device="cpu", name=prefix + "a", budget=budget, quantum_bytes=BPP)
+    b = InstanceLimits.for_page_allocator(pa_b, engine="t", device="cpu", name=prefix + "b", budget=budget, quantum_bytes=BPP)
+    try:
+        assert b.num_free_pages() == 10 - 1  # a holds its first quantum
+        a.admit_pages(8)
+        ids_a = pa_a.alloc_pages(8)
+        assert a.record().granted == 9 * BPP  # 8 + one quantum for its reserve pool
+        time.sleep(0.06)  # num_free_pages may reuse a peer sum for 50 ms
+        assert b.num_free_pages() == 1
+        with pytest.raises(OutOfMemoryError, match="device budget of cpu exhausted"):
+            b.admit_pages(4)  # asks a to give back its unused quantum
+        t0 = time.monotonic()
+        while a.record().granted != 8 * BPP:
+            assert time.monotonic() - t0 < 2, "the nudged instance did not give back its unused budget"
+            time.sleep(0.001)
+        b.admit_pages(2)
+        ids_b = pa_b.alloc_pages(2)
+        s = budget.sample()
+        assert s.held <= s.budget and s.mapped == 10 * BPP
+        with pytest.raises(OutOfMemoryError):
+            b.admit_pages(1)
+        pa_a.free_pages(ids_a[:6])  # 4 stay mapped in a's reserve pool, 2 are unmapped
+        a.on_free()
+        assert pa_a.get_num_mapped_pages() == 6 and a.record().granted == 8 * BPP
+        with pytest.raises(OutOfMemoryError):
+            b.admit_pages(3)  # a, asked again, unmaps its idle reserve and gives it back
+        t0 = time.monotonic()
+        while a.record().granted != 2 * BPP:
+            assert time.monotonic() - t0 < 2, "the nudged instance kept its idle reserve"
+            time.sleep(0.001)
+        assert pa_a.get_num_inuse_pages() == 2 == pa_a.get_num_mapped_pages()
+        b.admit_pages(3)
+        pa_b.alloc_pages(3)
+        assert budget.sample().mapped <= budget.budget_bytes
+        # The limit still caps below the budget.
+        rev = _C.MemInfoTracker.open(prefix + "b").set_limit(5 * BPP)
+        wait_applied(b, rev)
+        b.admit_pages(1)
+        with pytest.raises(OutOfMemoryError):
+            pa_b.alloc_page()
+        del ids_b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_dead_instances_hold_nothing(host, prefix):
+    budget = DeviceBudget("cpu", 4 * BPP, scope=prefix)
+    # A live record counts what it holds; the same record of a dead owner counts nothing.
+    ghost = _C.MemInfoTracker.create(prefix + "ghost", "t", 0, 0, 4 * BPP, 4 * BPP)
+    ghost.publish_usage(4 * BPP, 0)
+    ghost.set_granted(4 * BPP)
+    assert budget.held_bytes() == 4 * BPP
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=_create_and_die, args=(prefix + "dead",))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    ghost.unlink()
+    assert record_state(prefix + "dead") is not None  # left behind by a dead owner
+    assert budget.held_bytes() == 0
+    pa = host()
+    lim = InstanceLimits.for_page_allocator(pa, engine="t", device="cpu", name=prefix + "dead", budget=budget)
+    try:  # the dead owner's record was reclaimed by the new instance
+        assert lim.record().owner_pid == os.getpid()
+        lim.admit_pages(4)
+        assert len(pa.alloc_pages(4)) == 4
+    finally:
+        lim.close()
+
+
+def _create_and_die(name: str) -> None:
+    t = _C.MemInfoTracker.create(name, "t", 0, 0, 4 * BPP, 4 * BPP)
+    t.publish_usage(4 * BPP, 0)
+    t.set_granted(4 * BPP)
+    os._exit(0)  # no clean shutdown: the record stays
+
+
+def test_control_statuses(host, prefix):
+    pa = host()
+    lim = InstanceLimits.for_page_allocator(
+        pa, engine="t", device="cpu", name=prefix + "c", budget=DeviceBudget("cpu", PAGES * BPP, scope=prefix)
+    )
+    name = prefix + "c"
+    try:
+        rev0 = lim.record().revision
+        r = set_instance_memory_limit(8 * BPP, name=name)
+        assert r == "applied" and r.revision == rev0 + 1 and pa.mem_limit() <= 8 * BPP
+        lim.admit_pages(6)
+        ids = pa.alloc_pages(6)
+        r = set_instance_memory_limit(2 * BPP, revision=r.revision, name=name)
+        assert r == "deferred" and r.mapped == 6 * BPP and "still mapped" in r.message
+        assert set_instance_memory_limit(4 * BPP, revision=rev0, name=name) == "stale"
+        assert set_instance_memory_limit(4 * BPP, revision=r.revision + 5, name=name) == "conflict"
+        before = record_state(name)
+        for bad in (0, -1, 1.5, "1G", True, (PAGES + 1) * BPP):
+            rr = set_instance_memory_limit(bad, name=name)  # type: ignore[arg-type]
+            assert rr == "rejected" and rr.message, bad
+        assert set_instance_memory_limit(BPP, name=prefix + "nope") == "rejected"
+        assert set_instance_memory_limit(BPP, revision=-3, name=name) == "rejected"
+        assert record_state(name) == before  # nothing was written
+        pa.free_pages(ids)
+        r = set_instance_memory_limit(4 * BPP, name=name)
+        assert r == "applied"
+        # This process owns exactly one instance: the default target.
+        assert set_instance_memory_limit(5 * BPP).name == name
+    finally:
+        lim.close()
+
+
+def test_names(monkeypatch):
+    monkeypatch.delenv("KVCACHED_IPC_NAME", raising=False)
+    assert instance_name("vllm") == f"kvcached_vllm_{os.getpgid(0)}" == default_instance_name("vllm")
+    monkeypatch.setenv("KVCACHED_IPC_NAME", "my_model")
+    assert instance_name("sglang") == "my_model"
+    assert group_record_name("my_model", 2) == "my_model_g2"
+    for bad in ("", "a/b", "x" * 128, "has space", "..", "caf\u00e9"):
+        with pytest.raises(ValueError):
+            validate_name(bad)
+
+
+def test_sizes():
+    assert parse_size("512") == 512
+    assert parse_size("64k") == 64 << 10
+    assert parse_size("1.5G") == 3 << 29
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("-3M") == -(3 << 20)
+    for bad in ("", "abc", "1e3", "1.5X", "G", "nan"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert [format_size(n) for n in (0, 512, 64 << 10, 3 << 29)] == ["0", "512", "64.0K", "1.50G"]
+
+
+def test_on_free_gives_back_slack_beyond_two_quanta(host, prefix):
+    budget = DeviceBudget("cpu", PAGES * BPP, scope=prefix)
+    pa = host(max_reserved=2)
+    lim = InstanceLimits.for_page_allocator(pa, engine="t", device="cpu", name=prefix + "f", budget=budget, quantum_bytes=BPP)
+    try:
+        lim.admit_pages(10)
+        ids = pa.alloc_pages(10)
+        assert lim.record().granted == 11 * BPP
+        pa.free_pages(ids)  # 2 stay in the reserve pool, 8 are unmapped
+        lim.on_free()
+        assert pa.get_num_mapped_pages() == 2 and lim.record().granted == 3 * BPP
+        assert budget.headroom() == (PAGES - 3) * BPP
+    finally:
+        lim.close()
+
+
+def test_budget_from_env(monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "8M")
+    assert DeviceBudget.from_env("cpu").budget_bytes == 8 << 20
+    monkeypatch.delenv("KVCACHED_HOST_MEMORY_BUDGET")
+    monkeypatch.setenv("KVCACHED_GPU_UTILIZATION", "0.5")
+    total = _C.backend_info("cpu")["total_bytes"]
+    assert abs(DeviceBudget.from_env("cpu").budget_bytes - total // 2) <= 1
+    for name, bad in (("KVCACHED_GPU_UTILIZATION", "1.5"), ("KVCACHED_GPU_UTILIZATION", "x"),
+                      ("KVCACHED_HOST_MEMORY_BUDGET", "abc"), ("KVCACHED_HOST_MEMORY_BUDGET", "-1G")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            DeviceBudget.from_env("cpu")
+        monkeypatch.delenv(name)
+
+
+def test_record_state_alive_pending_dead(prefix):
+    from kvcached.limits import read_record
+
+    t = _C.MemInfoTracker.create(prefix + "p", "t", 0, 0, BPP, BPP)
+    try:
+        assert read_record(prefix + "p").state == "alive"  # an owner that never acknowledges
+        t.ack_revision(1)
+        rev = t.set_limit(2 * BPP)
+        assert read_record(prefix + "p").state == "pending"
+        t.ack_revision(rev)
+        assert read_record(prefix + "p").state == "alive"
+    finally:
+        t.unlink()
