@@ -3,8 +3,8 @@
     python tests/limits_worker.py '<json config>'
 
 Config: name, pages (virtual pages per K/V buffer), budget_bytes (0: no device
-budget), scope, min_reserved, max_reserved. It creates host-backend KV
-tensors, a PageAllocator and InstanceLimits, prints one JSON line
+budget), scope, min_reserved, max_reserved, device (default "cpu"), page
+(default 64 KiB). It creates KV tensors on that device, a PageAllocator and InstanceLimits, prints one JSON line
 {"ready": ...}, then serves one JSON command per stdin line and answers one
 JSON line each:
 
@@ -34,18 +34,20 @@ LAYERS = 2
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     pages = int(cfg.get("pages", 32))
-    _C.init_kvcached("cpu", PAGE, False)
-    _C.create_kv_tensors(pages * PAGE, LAYERS, 2, 0)
+    device = cfg.get("device", "cpu")
+    page = int(cfg.get("page", PAGE))
+    _C.init_kvcached(device, page, False)
+    _C.create_kv_tensors(pages * page, LAYERS, 2, 0)
     pa = _C.PageAllocator(
-        LAYERS, pages * PAGE, PAGE,
+        LAYERS, pages * page, page,
         min_reserved=int(cfg.get("min_reserved", 0)),
         max_reserved=int(cfg.get("max_reserved", 2)),
     )
     budget = None
     if cfg.get("budget_bytes"):
-        budget = DeviceBudget("cpu", int(cfg["budget_bytes"]), scope=cfg.get("scope", ""))
+        budget = DeviceBudget(device, int(cfg["budget_bytes"]), scope=cfg.get("scope", ""))
     limits = InstanceLimits.for_page_allocator(
-        pa, engine="test", device="cpu", name=cfg["name"], budget=budget,
+        pa, engine="test", device=device, name=cfg["name"], budget=budget,
         limit_bytes=cfg.get("limit_bytes"), quantum_bytes=cfg.get("quantum_bytes"),
     )
     held: list = []
