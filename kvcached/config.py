@@ -54,3 +54,14 @@ def max_reserved_pages() -> int:
 
 def page_prealloc_enabled() -> bool:
     return _env_bool("KVCACHED_PAGE_PREALLOC_ENABLED", True)
+
+
+def capacity_ttl_s() -> float:
+    """How long KVCacheManager.available_size may reuse its reading of the data
+    plane's free pages and the device's free memory when this manager did not
+    change pages in between (KVCACHED_CAPACITY_TTL_MS, default 10 ms; 0: read
+    every time). A limit change by another thread is seen within this time."""
+    ms = _env_int("KVCACHED_CAPACITY_TTL_MS", 10)
+    if ms < 0:
+        raise ValueError(f"KVCACHED_CAPACITY_TTL_MS={ms} must be >= 0")
+    return ms / 1000.0

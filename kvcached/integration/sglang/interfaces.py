@@ -1,0 +1,111 @@
+"""The upstream kvcached API for SGLang: init, KV buffers, token/page manager, shutdown.
+
+Every SGLang TP worker owns its pool, its KV buffers and its manager, so the
+manager maps in its own process (world_size 1 for the ledger), whatever the
+engine's TP size::
+
+    init_kvcached(tp_rank, tp_size, is_worker=True, device="cuda:0")   # or "cpu"
+    k_buffers, v_buffers = alloc_kv_cache((size + page_size, heads, head_dim),
+                                          dtype, device, num_layers, page_size)
+    manager = get_kv_cache_manager(num_blocks=(size + page_size) // page_size,
+                                   block_size=page_size,
+                                   cell_size=heads * head_dim * itemsize,
+                                   num_layers=num_layers)
+
+A manager block is one SGLang page (``page_size`` tokens; one token when
+page_size is 1); token ``t`` of block ``b`` is row ``b * page_size + t`` of
+the buffers. Block 0 is held as SGLang's padding slot.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+from kvcached.integration import kv_views, runtime
+from kvcached.kv_cache_manager import KVCacheManager
+
+ENGINE = "sglang"
+
+
+def init_kvcached(
+    tp_rank: int = 0,
+    world_size: int = 1,
+    is_worker: bool = True,
+    device: Optional[str] = None,
+    async_sched: bool = False,
+    pp_rank: int = 0,
+    *,
+    tp_size: Optional[int] = None,
+) -> None:
+    """Initializes kvcached in this SGLang worker process (idempotent).
+
+    The TP size is recorded only: SGLang's ranks never map for each other.
+    """
+    if tp_size is not None:
+        world_size = tp_size
+    world_size = int(world_size)
+    # Each rank is its own scheduler+worker: initialize the data plane here and
+    # start no fan-out listener.
+    runtime.init(ENGINE, 0, 1, True, device, bool(async_sched), int(pp_rank))
+    runtime.state().tp_rank = int(tp_rank)
+    runtime.state().world_size = world_size
+
+
+def shutdown_kvcached() -> None:
+    """Shuts down the managers made here and the data plane."""
+    runtime.shutdown()
+
+
+def alloc_kv_cache(
+    kvcache_shape: Sequence[int],
+    dtype,
+    device: str = "cuda",
+    num_layers: int = 1,
+    page_size: int = 1,
+    attention_type: str = "MHA",
+    kv_layout: str = "NHD",
+    group_id: int = 0,
+) -> Union[Tuple[List["object"], List["object"]], List["object"]]:
+    """Creates per-layer token buffers of shape ``kvcache_shape`` = (num_tokens, heads, head_dim).
+
+    MHA/GQA: returns (k_buffers, v_buffers), one tensor per layer each.
+    MLA: returns kv_buffers (one per layer; shape (num_tokens, 1, latent_dim)).
+    Rows of unmapped pages read zeros until the manager hands their block out.
+    """
+    runtime.require(ENGINE)
+    if str(device).startswith("cuda") and ":" not in str(device):
+        device = runtime.state().device  # SGLang passes "cuda" for the current device
+    k, v, block_bytes, num_blocks = kv_views.sglang_views(
+        kvcache_shape, dtype, device, num_layers, page_size, attention_type, kv_layout, group_id
+    )
+    kv = 2 if v else 1
+    runtime.record_geometry(group_id, runtime.GroupGeometry(int(num_layers), kv, block_bytes, num_blocks, "tensors"))
+    return (k, v) if v else k
+
+
+def get_kv_cache_manager(
+    num_blocks: int,
+    block_size: int,
+    cell_size: int,
+    num_layers: int,
+    reserve_null_block: bool = True,
+    *,
+    num_kv_buffers: Optional[int] = None,
+    group_id: int = 0,
+    pool_name: Optional[str] = None,
+    own_segment: bool = False,
+) -> KVCacheManager:
+    """The manager of this rank's pool: blocks are SGLang pages of ``block_size`` tokens."""
+    runtime.require(ENGINE)
+    return runtime.make_manager(
+        num_blocks,
+        block_size,
+        cell_size,
+        num_layers,
+        reserve_null_block,
+        num_kv_buffers,
+        group_id,
+        1,
+        pool_name=pool_name,
+        own_segment=own_segment,
+    )
