@@ -515,7 +515,7 @@ def test_own_segment_record_and_limit(make, monkeypatch):
     assert more is not None and m.get_mapped_memory_size() <= 3 * m.bytes_per_page
     m.free(ids + more)
     m.shutdown()
-    assert name not in [s.name for s in _C.list_mem_info_records()]
+    assert name not in _C.list_mem_info_records()
 
 
 def test_shutdown_releases_and_refuses_work(make, device):

@@ -6,13 +6,20 @@
 
 namespace kvcached {
 
+namespace {
+// VA alignment for a range of `unit`-sized mappings: the largest power of two
+// dividing the unit. A compound unit (page * layers * kv, e.g. 2 MiB * 28 * 2)
+// is not a power of two, and cuMemAddressReserve refuses such alignments.
+size_t va_alignment(size_t unit) { return unit & (~unit + 1); }
+}  // namespace
+
 ZeroPage::ZeroPage(std::shared_ptr<Backend> backend, size_t size) : backend_(std::move(backend)), size_(size) {
   handle_ = backend_->create(size);
   // Zero it through a scratch mapping (GPU memory is not zeroed by create).
   uintptr_t va = 0;
   bool mapped = false;
   try {
-    va = backend_->reserve(size, size);
+    va = backend_->reserve(size, va_alignment(size));
     backend_->map(va, size, handle_);
     mapped = true;
     backend_->set_access(va, size);
@@ -43,7 +50,7 @@ FTensor::FTensor(std::shared_ptr<Backend> backend, size_t size, size_t unit, std
   if (unit == 0 || size == 0 || size % unit != 0) invalid("FTensor: size must be a positive multiple of the map unit");
   if (zero_->size() != unit) invalid("FTensor: the zero page must be exactly one map unit");
   size_t n = size / unit;
-  base_ = backend_->reserve(size, unit);
+  base_ = backend_->reserve(size, va_alignment(unit));
   state_.assign(n, Unit::Hole);
   handles_.assign(n, 0);
   size_t done = 0;

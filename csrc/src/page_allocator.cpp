@@ -80,6 +80,9 @@ std::vector<int64_t> PageAllocator::offsets_of(const std::vector<int64_t>& ids) 
 std::vector<int64_t> PageAllocator::alloc_pages(size_t n) {
   if (n == 0) invalid("alloc_pages: n must be >= 1");
   std::unique_lock<std::mutex> lk(mu_);
+  // A page the pre-map thread is mapping is counted as free (num_free_pages):
+  // wait for it rather than report a shortage that is not there.
+  while (n > reserved_.size() + free_capacity_locked() && premapping_ > 0) cv_.wait(lk);
   size_t from_reserve = std::min(n, reserved_.size());
   size_t fresh = n - from_reserve;
   if (fresh > free_capacity_locked()) {
@@ -99,7 +102,7 @@ std::vector<int64_t> PageAllocator::alloc_pages(size_t n) {
   inuse_ += from_reserve;
   publish_locked();
   if (fresh == 0) {
-    if (prealloc_running_ && reserved_.size() < opts_.min_reserved) cv_.notify_one();
+    if (prealloc_running_ && reserved_.size() < opts_.min_reserved) cv_.notify_all();
     return ids;
   }
   std::vector<int64_t> new_ids;
@@ -129,7 +132,7 @@ std::vector<int64_t> PageAllocator::alloc_pages(size_t n) {
   }
   inuse_ += fresh;
   publish_locked();
-  if (prealloc_running_ && reserved_.size() < opts_.min_reserved) cv_.notify_one();
+  if (prealloc_running_ && reserved_.size() < opts_.min_reserved) cv_.notify_all();
   return ids;
 }
 
@@ -190,7 +193,7 @@ void PageAllocator::unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::m
   for (int64_t id : ids) put_free_locked(id);
   mapped_ -= ids.size();
   publish_locked();
-  cv_.notify_one();
+  cv_.notify_all();
 }
 
 size_t PageAllocator::trim() {
@@ -218,7 +221,7 @@ bool PageAllocator::resize(size_t mem_size_per_layer) {
   reserved_.swap(keep);
   for (int64_t id : drop) state_[id] = State::Busy;
   if (!drop.empty()) unmap_busy(std::move(drop), lk);
-  cv_.notify_one();
+  cv_.notify_all();
   for (size_t id = target; id < num_virtual_pages_; ++id) {
     if (state_[id] == State::InUse || state_[id] == State::Busy) return false;
   }
@@ -228,7 +231,7 @@ bool PageAllocator::resize(size_t mem_size_per_layer) {
 void PageAllocator::set_mem_limit(int64_t bytes) {
   std::lock_guard<std::mutex> g(mu_);
   limit_bytes_ = bytes;
-  cv_.notify_one();
+  cv_.notify_all();
 }
 
 int64_t PageAllocator::mem_limit() const {
@@ -241,7 +244,7 @@ void PageAllocator::set_reserve_bounds(size_t min_reserved, size_t max_reserved)
   std::lock_guard<std::mutex> g(mu_);
   opts_.min_reserved = min_reserved;
   opts_.max_reserved = max_reserved;
-  cv_.notify_one();
+  cv_.notify_all();
 }
 
 void PageAllocator::attach_tracker(std::shared_ptr<MemInfoTracker> tracker) {
@@ -289,6 +292,7 @@ void PageAllocator::prealloc_loop() {
     }
     int64_t id = take_free_locked();
     ++mapped_;
+    ++premapping_;
     lk.unlock();
     bool ok = true;
     try {
@@ -296,17 +300,21 @@ void PageAllocator::prealloc_loop() {
     } catch (const Error& e) {
       ok = false;
       lk.lock();
+      --premapping_;
       last_error_ = e.what();
       put_free_locked(id);
       --mapped_;
+      cv_.notify_all();  // an alloc waiting for this page decides again
       // Pressure or tensors not created yet: back off instead of spinning.
       cv_.wait_for(lk, std::chrono::milliseconds(100));
     }
     if (ok) {
       lk.lock();
+      --premapping_;
       state_[id] = State::Reserved;
       reserved_.push_back(id);
       publish_locked();
+      cv_.notify_all();
     }
   }
 }
@@ -317,7 +325,7 @@ size_t PageAllocator::num_total_pages() const {
 }
 size_t PageAllocator::num_free_pages() const {
   std::lock_guard<std::mutex> g(mu_);
-  return reserved_.size() + free_capacity_locked();
+  return reserved_.size() + premapping_ + free_capacity_locked();
 }
 size_t PageAllocator::num_inuse_pages() const {
   std::lock_guard<std::mutex> g(mu_);

@@ -83,7 +83,7 @@ class PageAllocator {
   size_t bytes_per_page() const { return opts_.page_size * opts_.num_layers * opts_.num_kv_buffers; }
   size_t num_virtual_pages() const { return num_virtual_pages_; }
   size_t num_total_pages() const;     // current target
-  size_t num_free_pages() const;      // allocatable now: reserve + free within target and limit
+  size_t num_free_pages() const;      // allocatable now: reserve (and pages being pre-mapped) + free within target and limit
   size_t num_inuse_pages() const;
   size_t num_reserved_pages() const;
   size_t num_mapped_pages() const;    // reserved + in use + in flight
@@ -117,6 +117,7 @@ class PageAllocator {
   size_t free_in_target_ = 0;
   size_t inuse_ = 0;
   size_t mapped_ = 0;               // reserved + in use + mapping in flight
+  size_t premapping_ = 0;           // pages the pre-map thread is mapping now
   size_t quarantined_ = 0;
   int64_t limit_bytes_ = -1;
   std::string last_error_;
