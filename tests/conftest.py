@@ -6,16 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from vmm_helpers import cuda_available
+
 MiB = 1 << 20
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
 
 
 DEVICES = [

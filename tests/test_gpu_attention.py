@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import cuda_available
+from vmm_helpers import cuda_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
 
@@ -95,7 +95,11 @@ def test_attention_over_elastic_kv_matches_native(vmm, contiguous):
 
     gen = torch.Generator(device=DEV).manual_seed(0)
     el, nat = _elastic(vmm, contiguous), _native(contiguous)
-    order = torch.randperm(NB, generator=torch.Generator().manual_seed(1)).tolist()
+    # Blocks in shuffled order within pages; the longest sequence alone on
+    # page 2, so that finishing it empties a page.
+    rng = torch.Generator().manual_seed(1)
+    pages = [[p * BPP + int(i) for i in torch.randperm(BPP, generator=rng)] for p in range(NB // BPP)]
+    order = pages[0][:10] + pages[2][:19] + pages[1][:4]
     seq_lens = [37, 100, 300, 64]
     per_seq, bt = _block_tables(order, seq_lens)
     used = [b for s in per_seq for b in s]
@@ -127,7 +131,7 @@ def test_attention_over_elastic_kv_matches_native(vmm, contiguous):
     for ke, _ in el:
         for p in free_pages:
             assert int(ke[p * BPP:(p + 1) * BPP].abs().sum()) == 0  # the zero page again
-    fresh = [b for b in order if b // BPP not in mapped][: -(-200 // BLOCK)]
+    fresh = pages[3][: -(-200 // BLOCK)]
     _map_pages_of(vmm, fresh, mapped)
     _write(el, fresh, gen)
     _copy(el, nat, fresh)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cuda_available
+from vmm_helpers import cuda_available
 from kvcached import _C
 from limits_helpers import Worker, kvctl, kvctl_list_json, remove_records, unique_prefix
 

@@ -8,6 +8,15 @@ import os
 from kvcached import _C
 
 
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
 def physical_bytes(device: str) -> int:
     """Bytes of physical memory held right now, measured outside kvcached.
 
