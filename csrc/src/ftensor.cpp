@@ -81,15 +81,31 @@ FTensor::~FTensor() {
   backend_->free_reservation(base_, size_);
 }
 
+namespace {
+// A mapping whose access grant failed could not be undone: the unit holds the
+// handle without access. The caller decides what that handle becomes.
+struct StuckMapping : Error {
+  explicit StuckMapping(const std::string& m) : Error(ErrorKind::StateConsistency, m) {}
+};
+}  // namespace
+
+void FTensor::map_accessible(size_t i, PhysHandle h) {
+  backend_->map(va(i), unit_, h);
+  try {
+    backend_->set_access(va(i), unit_);
+  } catch (const Error& e) {
+    try {
+      backend_->unmap(va(i), unit_);
+    } catch (const std::exception& u) {
+      throw StuckMapping(std::string(e.what()) + "; undoing the mapping failed too: " + u.what());
+    }
+    throw;
+  }
+}
+
 void FTensor::restore_zero(size_t i, const char* during) {
   try {
-    backend_->map(va(i), unit_, zero_->handle());
-    try {
-      backend_->set_access(va(i), unit_);
-    } catch (...) {
-      backend_->unmap(va(i), unit_);
-      throw;
-    }
+    map_accessible(i, zero_->handle());
   } catch (const std::exception& e) {
     state_[i] = Unit::Hole;
     ++holes_;
@@ -102,24 +118,15 @@ void FTensor::restore_zero(size_t i, const char* during) {
 void FTensor::place(size_t i, PhysHandle h) {
   backend_->unmap(va(i), unit_);  // zero page out; on error nothing changed
   try {
-    backend_->map(va(i), unit_, h);
+    map_accessible(i, h);
+  } catch (const StuckMapping& e) {
+    state_[i] = Unit::Hole;
+    ++holes_;
+    quarantined_.push_back(h);
+    fail(ErrorKind::StateConsistency, std::string("could not undo a failed mapping (") + e.what() +
+                                          "); the unit is quarantined");
   } catch (const Error&) {
     restore_zero(i, "map");
-    throw;
-  }
-  try {
-    backend_->set_access(va(i), unit_);
-  } catch (const Error&) {
-    try {
-      backend_->unmap(va(i), unit_);
-    } catch (const std::exception& e) {
-      state_[i] = Unit::Hole;
-      ++holes_;
-      quarantined_.push_back(h);
-      fail(ErrorKind::StateConsistency, std::string("could not undo a mapping after set-access failed (") +
-                                            e.what() + "); the unit is quarantined");
-    }
-    restore_zero(i, "set-access");
     throw;
   }
 }
@@ -147,23 +154,11 @@ PhysHandle FTensor::unmap_retain(size_t i) {
   PhysHandle h = handles_[i];
   backend_->unmap(va(i), unit_);  // on error nothing changed
   try {
-    backend_->map(va(i), unit_, zero_->handle());
-    try {
-      backend_->set_access(va(i), unit_);
-    } catch (...) {
-      backend_->unmap(va(i), unit_);
-      throw;
-    }
+    map_accessible(i, zero_->handle());
   } catch (const Error& first) {
     // Put the data page back where it was.
     try {
-      backend_->map(va(i), unit_, h);
-      try {
-        backend_->set_access(va(i), unit_);
-      } catch (...) {
-        backend_->unmap(va(i), unit_);
-        throw;
-      }
+      map_accessible(i, h);
     } catch (const std::exception& e) {
       state_[i] = Unit::Hole;
       ++holes_;

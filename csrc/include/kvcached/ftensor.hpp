@@ -71,6 +71,9 @@ class FTensor {
  private:
   enum class Unit : uint8_t { Zero, Mapped, Hole };
   uintptr_t va(size_t i) const { return base_ + i * unit_; }
+  // Maps `h` at unit i and grants access; on error nothing stays mapped there
+  // (or, if even the undo fails, a StateConsistency error is thrown).
+  void map_accessible(size_t i, PhysHandle h);
   // Replaces the zero page at unit i by `h`; restores the zero page on error.
   void place(size_t i, PhysHandle h);
   // Maps the zero page at an empty unit; marks a Hole and throws if it cannot.
