@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Sets up a fresh environment and runs the whole test suite (host backend;
-# GPU tests skip cleanly without a GPU). Usage: bash scripts/test.sh [pytest args]
+# GPU tests skip cleanly without a GPU), then the real-engine tests
+# (scripts/test_engines.sh; KVCACHED_ENGINE_TESTS=0 skips them).
+# Usage: bash scripts/test.sh [pytest args for the main suite]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVCACHED_TEST_VENV:-.venvs/kvcached}"
 bash scripts/setup_env.sh "$VENV"
 echo "[test] running pytest"
 # Run from tests/ so the installed package, not the source tree, is imported.
-cd tests
-exec "../$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" .
+(cd tests && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" .)
+# Then the real engines, each in its own venv (KVCACHED_ENGINE_TESTS=0 skips them).
+if [ "${KVCACHED_ENGINE_TESTS:-1}" != "0" ]; then
+  bash scripts/test_engines.sh
+fi

@@ -1,0 +1,314 @@
+"""Scheduler seam: ``ElasticBlockPool``, vLLM's ``BlockPool`` over kvcached pages.
+
+It keeps the whole BlockPool contract the rest of vLLM relies on (block
+objects ``blocks[i].block_id == i``, the null block 0, ref counts, prefix-
+cache hashes and both hash maps, KV events, ``touch``, ``evict_blocks``,
+``reset_prefix_cache``, usage) and changes only where free blocks come from
+and go to:
+
+* a block nobody references and no hash names is *free in the kvcached
+  ledger* (``KVCacheManager``): the manager picks ids page-affine and returns
+  a page's memory when its last block is freed;
+* a block nobody references but a prefix-cache hash names is *evictable*: it
+  stays handed out (its page stays mapped, its data reusable) in the LRU
+  queue ``free_block_queue``, exactly like vLLM's evictable blocks;
+* ``get_num_free_blocks()`` = what the manager can hand out *now* (mapped
+  free blocks plus pages the limit, the device budget and the device allow)
+  + evictable blocks. It is vLLM's only question before allocating, so a
+  physical shortage shows as fewer free blocks: ``allocate_slots`` returns
+  None and the scheduler preempts, as with a full native pool.
+* ``get_new_blocks`` takes from the manager first, then evicts LRU cached
+  blocks (as vLLM prefers free over cached blocks). If another process took
+  the memory between the count and the allocation (a snapshot, not a
+  reservation), it undoes its own work and raises ``PoolShortage``, which the
+  ``allocate_slots`` patch turns into None after rolling the call back.
+
+Memory return: the prefix cache is bounded by ``KVCACHED_MAX_CACHED_TOKENS``
+(default: unbounded, like vLLM), and when the instance maps more than its
+limit allows (``kvctl limit`` lowered it) cached blocks are evicted. For both,
+victims whose eviction empties a whole page go first: a page with one cached
+block left cannot be unmapped, so evicting scattered blocks returns nothing.
+A plain allocation shortage evicts pure LRU (the slots are reused at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Dict, Iterable, List
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+logger = logging.getLogger("vllm.kvcached")
+
+ENV_MAX_CACHED_TOKENS = "KVCACHED_MAX_CACHED_TOKENS"
+# How often (at most) the pool looks for cached pages to give back while the
+# instance maps more than its limit: a scan walks the evictable queue.
+_RETURN_SCAN_INTERVAL_S = 0.1
+
+
+class PoolShortage(Exception):
+    """Memory vanished between the free-block count and the allocation."""
+
+
+def max_cached_tokens() -> int:
+    """KVCACHED_MAX_CACHED_TOKENS as an int; -1 (unbounded) when unset."""
+    raw = os.environ.get(ENV_MAX_CACHED_TOKENS, "").strip()
+    if not raw:
+        return -1
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_MAX_CACHED_TOKENS}={raw!r} is not an integer number of tokens") from None
+    if v < -1:
+        raise ValueError(f"{ENV_MAX_CACHED_TOKENS}={raw!r}: use a token count >= 0, or -1 for unbounded")
+    return v
+
+
+class ElasticBlockPool(BlockPool):
+    """A BlockPool whose free blocks live in a kvcached ``KVCacheManager``.
+
+    Built by vLLM's coordinator through the patched module name. Outside a
+    scheduler being built by a kvcached-enabled EngineCore (another pool of
+    the same coordinator class, e.g. a CPU offload pool) construction returns
+    a native ``BlockPool``.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> BlockPool:
+        from kvcached.integration.vllm import engine_core
+
+        ctx = engine_core.take_pool_context()
+        if ctx is None:
+            return BlockPool(*args, **kwargs)
+        self = super().__new__(cls)
+        self._kvcached_ctx = ctx
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The constructor's parameters differ between vLLM versions (0.33 adds
+        # num_hash_lookahead_tokens): forward them untouched.
+        super().__init__(*args, **kwargs)
+        from kvcached.integration.vllm import engine_core
+
+        ctx = self.__dict__.pop("_kvcached_ctx")
+        # Every block but the null one starts free in the ledger, so the
+        # evictable queue starts empty (and unlinked from vLLM's full queue).
+        for b in self.blocks:
+            b.prev_free_block = b.next_free_block = None
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+        self.backend = engine_core.ElasticBackend.create(ctx, self.num_gpu_blocks)
+        self.manager = self.backend.manager
+        self._n_out = 0  # blocks handed out by the manager (in use or evictable), null excluded
+        self._max_cached = max_cached_tokens()
+        self._block_tokens = max(1, int(getattr(self.backend.plan, "block_tokens", 1)))
+        self._next_return_scan = 0.0
+
+    # ------------------------------------------------------------ capacity
+
+    def get_num_free_blocks(self) -> int:
+        self._maybe_return_memory()
+        return self.manager.available_size() + self.free_block_queue.num_free_blocks
+
+    def num_in_use_blocks(self) -> int:
+        """Blocks some request references (null excluded)."""
+        return self._n_out - self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        # Fraction of what this instance could hold now: in use / (in use +
+        # allocatable). The native formula divides by num_gpu_blocks, which
+        # here is a virtual capacity other instances may be using.
+        used = self.num_in_use_blocks()
+        total = used + self.get_num_free_blocks()
+        return used / total if total else 0.0
+
+    # ---------------------------------------------------------- allocation
+
+    def get_new_blocks(self, num_blocks: int) -> List[KVCacheBlock]:
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        if num_blocks <= 0:
+            return []
+        ids: List[int] = []
+        want = min(num_blocks, self.manager.available_size())
+        for _ in range(2):  # a fresh snapshot once if the first one was overtaken
+            if want <= 0:
+                break
+            got = self.manager.alloc(want)
+            if got is not None:
+                ids = got
+                break
+            want = min(want, self.manager.available_size())
+        self._n_out += len(ids)
+        ret = [self.blocks[i] for i in ids]
+        rest = num_blocks - len(ret)
+        if rest:
+            q = self.free_block_queue
+            if rest > q.num_free_blocks:
+                self._give_back(ids)
+                raise PoolShortage(
+                    f"{num_blocks} blocks were free when counted but only {len(ret) + q.num_free_blocks} "
+                    "can be had now (another instance took the memory, or the limit was lowered)"
+                )
+            ret.extend(q.popleft_n(rest))
+
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        caching = self.enable_caching
+        mc = self.metrics_collector
+        for block in ret:
+            if caching:
+                self._maybe_evict_cached_block(block)
+            assert block.ref_cnt == 0
+            block.ref_cnt += 1
+            if mc:
+                mc.on_block_allocated(block)
+        return ret
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        to_ledger: List[int] = []
+        to_cache: List[KVCacheBlock] = []
+        other_pools: Dict[BlockPool, List[KVCacheBlock]] = {}
+        caching = self.enable_caching
+        for block in ordered_blocks:
+            if block.pool is not None and block.pool is not self:
+                other_pools.setdefault(block.pool, []).append(block)
+                continue
+            if block.is_null:  # never pooled; its ref_cnt is not maintained
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None or not caching:
+                    to_ledger.append(block.block_id)
+                else:
+                    to_cache.append(block)  # LRU tail: evicted last
+        if to_cache:
+            self.free_block_queue.append_n(to_cache)
+        if to_ledger:
+            self._give_back(to_ledger)
+        if to_cache and self._max_cached >= 0:
+            self._bound_cache()
+        for pool, blocks in other_pools.items():
+            pool.free_blocks(blocks)
+
+    def evict_blocks(self, block_ids: set) -> None:
+        super().evict_blocks(block_ids)
+        # An evictable block that lost its hash holds nothing worth keeping.
+        q = self.free_block_queue
+        freed = []
+        for bid in block_ids:
+            b = self.blocks[bid]
+            if b.ref_cnt == 0 and not b.is_null and b.block_hash is None and b.prev_free_block is not None:
+                q.remove(b)
+                freed.append(bid)
+        if freed:
+            self._give_back(freed)
+
+    def reset_prefix_cache(self) -> bool:
+        in_use = self.num_in_use_blocks()
+        if in_use:
+            logger.warning("Failed to reset prefix cache because some blocks (%d) are not freed yet", in_use)
+            return False
+        cached = self.free_block_queue.get_all_free_blocks()
+        if not super_reset(self):
+            return False
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+        for b in cached:
+            b.prev_free_block = b.next_free_block = None
+        self._give_back([b.block_id for b in cached])
+        return True
+
+    # ------------------------------------------------------ memory return
+
+    def _give_back(self, ids: List[int]) -> None:
+        """Returns ledger ids to the manager (pages may empty), then lets the
+        execution fence release what no running step can read."""
+        if not ids:
+            return
+        self.manager.free(ids)
+        self._n_out -= len(ids)
+        self.backend.after_free()
+
+    def _bound_cache(self) -> None:
+        excess_tokens = self.free_block_queue.num_free_blocks * self._block_tokens - self._max_cached
+        if excess_tokens > 0:
+            self.evict_cached(-(-excess_tokens // self._block_tokens), whole_pages_first=True)
+
+    def _maybe_return_memory(self) -> None:
+        over = self.backend.pages_over_limit()
+        if over <= 0 or not self.free_block_queue.num_free_blocks:
+            return
+        now = time.monotonic()
+        if now < self._next_return_scan:
+            return
+        self._next_return_scan = now + _RETURN_SCAN_INTERVAL_S
+        per_page = self.manager.geometry.max_blocks_per_page
+        self.evict_cached(over * per_page, whole_pages_first=True, only_whole_pages=True)
+
+    def evict_cached(self, n: int, whole_pages_first: bool = False, only_whole_pages: bool = False) -> int:
+        """Evicts up to ``n`` evictable cached blocks; returns how many.
+
+        LRU order, except with ``whole_pages_first``: first the blocks of
+        pages where every live block is evictable (so the page empties and its
+        memory can go), oldest page first; ``only_whole_pages`` stops there.
+        """
+        q = self.free_block_queue
+        if n <= 0 or q.num_free_blocks == 0:
+            return 0
+        if not whole_pages_first:
+            victims = q.popleft_n(min(n, q.num_free_blocks))
+        else:
+            lru = q.get_all_free_blocks()  # oldest first
+            page_of = self.manager.geometry.page_of
+            by_page: Dict[int, List[KVCacheBlock]] = {}
+            for b in lru:
+                by_page.setdefault(page_of(b.block_id), []).append(b)
+            occupancy = self.manager.get_page_occupancy(list(by_page))
+            victims = []
+            for pid, blocks in by_page.items():  # first seen = holds the oldest block
+                if len(victims) >= n:
+                    break
+                if len(blocks) == occupancy[pid]:
+                    victims.extend(blocks)
+            if len(victims) < n and not only_whole_pages:
+                chosen = {b.block_id for b in victims}
+                for b in lru:
+                    if len(victims) >= n:
+                        break
+                    if b.block_id not in chosen:
+                        victims.append(b)
+            for b in victims:
+                q.remove(b)
+        for b in victims:
+            self._maybe_evict_cached_block(b)
+        self._give_back([b.block_id for b in victims])
+        return len(victims)
+
+    def close(self) -> None:
+        """Closes the kvcached side (record, connections); the engine is shutting down."""
+        self.backend.close()
+
+
+def super_reset(pool: ElasticBlockPool) -> bool:
+    """vLLM's own reset of hashes, reuse watchers, metrics and events, run once
+    no block is in use (its in-use check counts free blocks, which here would
+    be the allocatable ones, so it is bypassed by the check above)."""
+    pool.get_num_free_blocks = lambda: pool.num_gpu_blocks - 1  # type: ignore[method-assign]
+    try:
+        return BlockPool.reset_prefix_cache(pool)
+    finally:
+        del pool.get_num_free_blocks
+
+
+def patch_coordinator_module(module: Any) -> None:
+    """``vllm.v1.core.kv_cache_coordinator.BlockPool`` -> ElasticBlockPool."""
+    cur = module.BlockPool
+    if cur is ElasticBlockPool:
+        return
+    if cur is not BlockPool:
+        raise TypeError(
+            f"vllm.v1.core.kv_cache_coordinator.BlockPool is {cur!r}, not vLLM's BlockPool: "
+            "another plugin replaced it; kvcached cannot combine with it"
+        )
+    module.BlockPool = ElasticBlockPool

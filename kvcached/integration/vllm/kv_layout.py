@@ -1,0 +1,174 @@
+"""Where vLLM's KV blocks lie in its one KV buffer, in kvcached pages.
+
+vLLM (0.32/0.33) allocates one int8 buffer of ``size`` bytes and cuts per-layer
+views from it. Each ``KVCacheTensor(size, layers, layer_stride, block_stride,
+offset)`` says: layer ``l``'s block ``b`` starts at byte
+``offset + l * layer_stride + b * block_stride`` and is ``block_bytes`` long
+(the spec's ``page_size_bytes``). Layer-outermost layouts (LBHNC, the only
+one CPU attention accepts) give each layer a contiguous region; block-
+outermost ones (BLHNC, ...) make a block one run of all layers' bytes.
+
+kvcached backs that buffer with one FTensor of the same size, so vLLM's own
+views (and strides) stay exactly as it made them. The scheduler's block
+ledger (``KVCacheManager``) thinks in *logical pages*: logical page ``p``
+holds the blocks ``BlockGeometry.block_range(p)`` (``page_size /
+block_bytes`` consecutive block ids). ``KVLayoutPlan.physical_pages(p)`` are
+the FTensor pages that hold those blocks' bytes in every layer and tensor:
+in LBHNC with page-aligned layer regions that is one page per layer, in
+BLHNC ``num_layers`` consecutive pages. Regions that are not page aligned make
+neighbouring logical pages share a physical page; the worker counts
+references for that (``worker_tensors``).
+
+Pure arithmetic on plain attributes: no vLLM or torch import, so the same
+plan is built in the scheduler and in every worker and tested without vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
+
+from kvcached.block_geometry import BlockGeometry
+from kvcached.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One KVCacheTensor: its layers' blocks in the buffer."""
+
+    offset: int
+    num_layers: int
+    layer_stride: int
+    block_stride: int
+    block_bytes: int
+
+
+class KVLayoutPlan:
+    """Logical kvcached pages of vLLM's KV buffer and the physical pages behind them."""
+
+    def __init__(
+        self,
+        buffer_size: int,
+        num_blocks: int,
+        block_bytes: int,
+        block_tokens: int,
+        page_size: int,
+        placements: Sequence[Placement],
+    ) -> None:
+        if buffer_size <= 0 or num_blocks <= 0 or block_bytes <= 0 or page_size <= 0:
+            raise InvalidArgumentError(
+                f"KV layout: buffer {buffer_size} B, {num_blocks} blocks of {block_bytes} B, "
+                f"page {page_size} B must all be positive"
+            )
+        if not placements:
+            raise InvalidArgumentError("KV layout: no KV cache tensor to back")
+        for p in placements:
+            if p.block_bytes != block_bytes:
+                raise InvalidArgumentError(
+                    f"KV layout: tensors with {p.block_bytes}-byte and {block_bytes}-byte blocks share one "
+                    "block pool; kvcached needs one block size per pool (unset ENABLE_KVCACHED for this model)"
+                )
+            last = p.offset + (p.num_layers - 1) * p.layer_stride + (num_blocks - 1) * p.block_stride + block_bytes
+            if p.offset < 0 or p.layer_stride < 0 or p.block_stride <= 0 or last > buffer_size:
+                raise InvalidArgumentError(
+                    f"KV layout: a tensor (offset {p.offset}, layer stride {p.layer_stride}, block stride "
+                    f"{p.block_stride}, {p.num_layers} layers) reaches byte {last} of a {buffer_size}-byte buffer"
+                )
+        self.buffer_size = int(buffer_size)
+        self.num_blocks = int(num_blocks)
+        self.block_bytes = int(block_bytes)
+        self.page_size = int(page_size)
+        self.placements: Tuple[Placement, ...] = tuple(placements)
+        # The manager's geometry: tokens x cell bytes = block bytes. A padded
+        # block that is not a whole number of token cells is one 1-token "cell".
+        if block_tokens > 0 and block_bytes % block_tokens == 0:
+            self.block_tokens, self.cell_size = int(block_tokens), block_bytes // int(block_tokens)
+        else:
+            self.block_tokens, self.cell_size = 1, self.block_bytes
+        self.geometry = BlockGeometry(self.num_blocks, self.block_tokens, self.cell_size, self.page_size)
+        self.num_logical_pages = self.geometry.num_pages
+        self.mapped_size = -(-self.buffer_size // self.page_size) * self.page_size
+        self._memo: Dict[int, Tuple[int, ...]] = {}
+        self.num_layers = sum(p.num_layers for p in self.placements)
+
+    @classmethod
+    def from_kv_cache_config(cls, kv_cache_config: Any, page_size: int) -> "KVLayoutPlan":
+        """The plan of a vLLM ``KVCacheConfig`` (read by attribute, as vLLM 0.32/0.33 define it)."""
+        tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
+        if not tensors:
+            raise InvalidArgumentError("kvcached: this model has no KV cache tensors; unset ENABLE_KVCACHED")
+        sizes = {int(t.size) for t in tensors}
+        if len(sizes) != 1:
+            raise InvalidArgumentError(f"kvcached: KV cache tensors of different sizes {sorted(sizes)} (vLLM expects one)")
+        groups = list(kv_cache_config.kv_cache_groups)
+        placements: List[Placement] = []
+        block_tokens = None
+        for t in tensors:
+            if getattr(t, "host_resident", False):
+                raise InvalidArgumentError(
+                    "kvcached: host-resident KV tensors (HiSparse) are not supported; unset ENABLE_KVCACHED"
+                )
+            spec = _spec_of(groups, t.layers[0])
+            if not getattr(spec, "has_layer_views", True):
+                raise InvalidArgumentError(
+                    f"kvcached: the KV spec {type(spec).__name__} of {t.layers[0]} has no per-layer block views, "
+                    "so its block addresses are unknown; unset ENABLE_KVCACHED for this model"
+                )
+            placements.append(
+                Placement(int(getattr(t, "offset", 0)), len(t.layers), int(t.layer_stride), int(t.block_stride),
+                          int(spec.page_size_bytes))
+            )
+            block_tokens = int(getattr(spec, "block_size", 0) or 0) if block_tokens is None else block_tokens
+        return cls(sizes.pop(), int(kv_cache_config.num_blocks), placements[0].block_bytes, block_tokens or 0,
+                   int(page_size), placements)
+
+    # ------------------------------------------------------------------ pages
+
+    def physical_pages(self, logical_page: int) -> Tuple[int, ...]:
+        """FTensor page indices holding the bytes of ``logical_page``'s blocks (sorted)."""
+        got = self._memo.get(logical_page)
+        if got is not None:
+            return got
+        if not 0 <= logical_page < self.num_logical_pages:
+            raise InvalidArgumentError(f"logical page {logical_page} is out of range [0, {self.num_logical_pages})")
+        first, end = self.geometry.block_range(logical_page)
+        P, bb = self.page_size, self.block_bytes
+        pages = set()
+        if end > first:
+            for pl in self.placements:
+                for layer in range(pl.num_layers):
+                    base = pl.offset + layer * pl.layer_stride
+                    if pl.block_stride <= bb:  # blocks of a layer are contiguous
+                        runs: Iterable[Tuple[int, int]] = ((base + first * pl.block_stride,
+                                                            base + (end - 1) * pl.block_stride + bb),)
+                    else:
+                        runs = ((base + b * pl.block_stride, base + b * pl.block_stride + bb) for b in range(first, end))
+                    for start, stop in runs:
+                        pages.update(range(start // P, (stop - 1) // P + 1))
+        out = tuple(sorted(pages))
+        self._memo[logical_page] = out
+        return out
+
+    def physical_pages_per_logical_page(self) -> int:
+        """Physical pages a full logical page needs (for accounting: the manager's layer count)."""
+        n = self.num_logical_pages
+        sample = {0, n // 2, max(0, n - 2)}
+        return max(1, max(len(self.physical_pages(p)) for p in sample))
+
+    def __repr__(self) -> str:
+        return (
+            f"KVLayoutPlan({self.buffer_size} B buffer, {self.num_blocks} blocks x {self.block_bytes} B, "
+            f"{len(self.placements)} tensor(s) / {self.num_layers} layers, page {self.page_size} B, "
+            f"{self.num_logical_pages} logical pages)"
+        )
+
+
+def _spec_of(groups: List[Any], layer_name: str) -> Any:
+    for g in groups:
+        if layer_name in g.layer_names:
+            spec = g.kv_cache_spec
+            inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+            if isinstance(inner, dict) and layer_name in inner:
+                spec = inner[layer_name]
+            return spec
+    raise InvalidArgumentError(f"kvcached: layer {layer_name} of a KV cache tensor is in no KV cache group")

@@ -1,0 +1,126 @@
+"""Two vLLM OpenAI servers with kvcached under one shared KV budget.
+
+* the server's greedy tokens equal vLLM's without kvcached;
+* an engine capped with ``kvctl limit`` below what its load needs preempts and
+  completes every request (same tokens), never maps past the limit;
+* together the two never map past the shared budget, also when both are loaded;
+* with a bounded prefix cache, an engine's memory falls back after the load;
+* ``kill -9`` of an engine leaves a dead record and a stale socket directory,
+  and both are gone once the next engine has started;
+* stopping a server (SIGTERM) leaves neither.
+
+Three server starts in all (S1 and S2 at once, S3 after the kill)."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import vllm_engine_helpers as h
+
+BUDGET = 4 << 20  # 16 pages of 256 KiB for both engines together
+CAP = 1 << 20  # S2's limit: the null page + 3 pages = 7 blocks for 8 requests that grow to 2 blocks each
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, workdir):
+    tag = os.getpid()
+    names = (f"kvt_s1_{tag}", f"kvt_s2_{tag}")
+    common = dict(KVCACHED_HOST_MEMORY_BUDGET=str(BUDGET))
+    started = []
+    try:
+        s1 = h.start_server(tiny_model, names[0], h.engine_env(True, names[0], KVCACHED_MAX_CACHED_TOKENS="256",
+                                                               VLLM_CPU_OMP_THREADS_BIND="0", **common), workdir)
+        started.append(s1)
+        s2 = h.start_server(tiny_model, names[1], h.engine_env(True, names[1], VLLM_CPU_OMP_THREADS_BIND="1",
+                                                               **common), workdir)
+        started.append(s2)
+        h.wait_healthy(s1)
+        h.wait_healthy(s2)
+        yield {"s1": s1, "s2": s2, "model": tiny_model, "workdir": workdir, "started": started}
+    finally:
+        for s in started:
+            s.stop()
+
+
+def _run_all(port: int, model: str, prompts, max_tokens: int):
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(lambda p: h.complete(port, model, p, max_tokens), prompts))
+
+
+def test_server_greedy_tokens_identical_to_vllm_without_kvcached(servers, native_run):
+    s1, model = servers["s1"], servers["model"]
+    got = _run_all(s1.port, model, h.prompts(12), h.MAX_TOKENS)
+    assert got == native_run["tokens1"]
+
+
+def test_capped_engine_preempts_and_completes_instead_of_crashing(servers, native_run):
+    s1, s2, model = servers["s1"], servers["s2"], servers["model"]
+    r = h.kvctl("limit", s2.name, "1M")
+    assert r.returncode == 0, r.stderr
+    rec = h.read_record(s2.name)
+    assert rec["limit"] == CAP
+    before = h.metrics(s2.port).get("vllm:num_preemptions_total", 0)
+    with h.Sampler([s1.name, s2.name], workers=False) as sampler:
+        got = _run_all(s2.port, model, h.decode_prompts(), h.LONG_DECODE)
+    assert got == native_run["tokensB"]  # every request completed, preempted or not, with the same tokens
+    preempted = h.metrics(s2.port).get("vllm:num_preemptions_total", 0) - before
+    assert preempted > 0, "the capped engine never preempted: the cap did not bite"
+    samples = [s for s in sampler.samples if s.get(s2.name)]
+    assert len(samples) >= 5
+    assert max(h.mapped(s[s2.name]) for s in samples) <= CAP
+    assert all(h.mapped(s[s1.name]) + h.mapped(s[s2.name]) <= BUDGET for s in samples)
+    assert s2.proc.poll() is None and h.read_record(s2.name)["alive"]
+
+
+def test_two_loaded_engines_share_one_budget(servers, native_run):
+    s1, s2, model = servers["s1"], servers["s2"], servers["model"]
+    assert h.kvctl("limit", s2.name, "4M").returncode == 0
+    with h.Sampler([s1.name, s2.name], workers=False) as sampler:
+        with ThreadPoolExecutor(2) as ex:
+            f1 = ex.submit(_run_all, s1.port, model, h.decode_prompts(), h.LONG_DECODE)
+            f2 = ex.submit(_run_all, s2.port, model, h.decode_prompts(), h.LONG_DECODE)
+            got1, got2 = f1.result(), f2.result()
+    assert got1 == got2 == native_run["tokensB"]
+    both = [h.mapped(s[s1.name]) + h.mapped(s[s2.name]) for s in sampler.samples if s.get(s1.name) and s.get(s2.name)]
+    assert both and max(both) <= BUDGET
+    assert max(h.mapped(s[s1.name]) for s in sampler.samples) > 4 * h.BPP  # both really used memory
+
+
+def test_bounded_prefix_cache_lets_memory_fall_back_after_load(servers):
+    s1 = servers["s1"]
+    time.sleep(0.5)
+    rec = h.read_record(s1.name)
+    # KVCACHED_MAX_CACHED_TOKENS=256: at most 2 cached blocks stay after the
+    # load, on at most 2 pages, plus the null page and the reserve.
+    assert rec["used"] <= 3 * h.BPP, rec
+    assert rec["prealloc"] <= h.MAX_RESERVED_PAGES * h.BPP, rec
+
+
+def test_kill9_leaves_nothing_behind_once_the_next_engine_starts(servers):
+    s1, model, workdir = servers["s1"], servers["model"], servers["workdir"]
+    root = h.socket_root(s1.name)
+    assert os.path.isdir(root)
+    s1.kill9()
+    rec = h.read_record(s1.name)
+    assert rec is not None and not rec["alive"]  # a crash cannot clean up after itself
+    assert os.path.isdir(root)
+    name3 = f"kvt_s3_{os.getpid()}"
+    s3 = h.start_server(model, name3, h.engine_env(True, name3, KVCACHED_HOST_MEMORY_BUDGET=str(BUDGET)), workdir)
+    servers["started"].append(s3)
+    h.wait_healthy(s3)
+    assert h.read_record(s1.name) is None
+    assert not os.path.exists(root)
+    assert h.complete(s3.port, model, h.prompts(1)[0]) == h.complete(servers["s2"].port, model, h.prompts(1)[0])
+
+
+def test_stopping_servers_leaves_no_record_and_no_socket(servers):
+    live = [s for s in servers["started"] if s.proc.poll() is None]
+    assert len(live) == 2  # S2 and S3
+    for s in live:
+        s.stop()
+        assert s.proc.returncode is not None
+        assert h.read_record(s.name) is None
+        assert not os.path.exists(h.socket_root(s.name))

@@ -1,0 +1,427 @@
+"""The vLLM integration's engine-independent parts, with the real data plane:
+the interpreter-start hook, the patch manager, the KV layout plan, the
+worker-side executor and the execution fence. The real-engine proof is in
+tests/engines/vllm (run with the vLLM venv by scripts/test_engines.sh)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from kvcached.errors import InvalidArgumentError
+from kvcached.integration.patch_base import (
+    BasePatch,
+    PatchError,
+    PatchManager,
+    UnsupportedVersionError,
+    VersionRange,
+    parse_version,
+)
+from kvcached.integration.vllm.kv_layout import KVLayoutPlan, Placement
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _run(code: str, env_extra: dict, path: str = "") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ENABLE_KVCACHED", "KVCACHED_"))}
+    env.update(env_extra)
+    if path:
+        env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+# ------------------------------------------------------------ autopatch hook
+
+FINDER = "import sys; print(any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path))"
+
+
+@pytest.mark.parametrize(
+    "env, expect",
+    [
+        ({}, "False"),
+        ({"ENABLE_KVCACHED": "true"}, "True"),  # ENABLE_KVCACHED alone is enough
+        ({"ENABLE_KVCACHED": "1", "KVCACHED_AUTOPATCH": "1"}, "True"),
+        ({"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "0"}, "False"),
+        ({"ENABLE_KVCACHED": "false"}, "False"),
+    ],
+)
+def test_hook_is_installed_at_interpreter_start_only_when_enabled(env, expect):
+    import kvcached
+
+    installed = os.path.realpath(kvcached.__file__).startswith(os.path.realpath(__import__("sysconfig").get_paths()["purelib"]))
+    if not installed:
+        pytest.skip("kvcached is not installed as a wheel: no .pth at interpreter start")
+    out = _run(FINDER, env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expect
+
+
+def test_post_import_hook_runs_after_the_module_body_and_again_after_reload(tmp_path):
+    pkg = tmp_path / "fakeeng"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "mod.py").write_text("def f():\n    return 'orig'\nLOADED = True\n")
+    out = _run(
+        """
+        import importlib
+        from kvcached import autopatch
+        from kvcached.integration.patch_base import mark
+        seen = []
+        def hook(m):
+            assert m.LOADED                      # the body ran before the hook
+            if mark(m, "p"):                      # idempotent per module body
+                m.f = lambda: "patched"
+            seen.append(m.__name__)
+        autopatch.register_post_import_hook("fakeeng.sub.mod", hook)
+        import fakeeng.sub.mod as mod
+        assert mod.f() == "patched", mod.f()
+        importlib.reload(mod)                     # fresh functions: patched again
+        assert mod.f() == "patched", mod.f()
+        seen2 = []
+        autopatch.register_post_import_hook("fakeeng.sub.mod", lambda m: seen2.append(1))  # already loaded: now
+        print(len(seen), len(seen2), mod.__loader__.exec_module.__qualname__)
+        """,
+        {},
+        str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    n, n2, qual = out.stdout.split()
+    assert (n, n2) == ("2", "1")
+    assert "PostImport" not in qual  # the loader's own method is back
+
+
+def _fake_vllm(root, version: str) -> str:
+    pkg = root / f"v{version}" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    return str(root / f"v{version}")
+
+
+def test_unsupported_vllm_stops_at_import_with_one_message_naming_the_range(tmp_path):
+    path = _fake_vllm(tmp_path, "0.31.2")
+    code = """
+        from kvcached import autopatch
+        autopatch.install()   # what the .pth does at interpreter start
+        import vllm
+        print("imported")
+    """
+    out = _run(code, {"ENABLE_KVCACHED": "true"}, path)
+    assert out.returncode != 0
+    assert "UnsupportedVersionError: kvcached supports vLLM >=0.32,<0.34 but vLLM 0.31.2 is installed" in out.stderr
+    assert "unset ENABLE_KVCACHED" in out.stderr
+    # Without kvcached enabled the same vLLM imports.
+    out = _run(code.replace("autopatch.install()", "pass"), {}, path)
+    assert out.returncode == 0 and "imported" in out.stdout, out.stderr
+
+
+def test_supported_vllm_activates_and_names_the_instance(tmp_path):
+    path = _fake_vllm(tmp_path, "0.33.0")
+    out = _run(
+        """
+        import os
+        from kvcached import autopatch
+        autopatch.install()
+        import vllm
+        from kvcached.integration.vllm import plugin
+        plugin.register()   # the entry point: idempotent after the hook
+        m = plugin.manager()
+        print(os.environ["KVCACHED_IPC_NAME"] == "kvcached_vllm_%d" % os.getpid())
+        print(sorted({r.status for r in m.results.values()}))
+        print(m.results["cpu_worker_startup_check_0_32"].status)
+        """,
+        {"ENABLE_KVCACHED": "true"},
+        path,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[0] == "True"
+    assert lines[1] == "['pending', 'skipped']"  # engine modules not imported; the 0.32-only patch skipped
+    assert lines[2] == "skipped"
+
+
+# ------------------------------------------------------------- patch manager
+
+
+def _manager(version: str, spec: str = ">=0.32,<0.34") -> PatchManager:
+    return PatchManager("Eng", VersionRange.parse(spec), lambda: version)
+
+
+def test_version_parsing_and_ranges():
+    assert parse_version("0.32.0+cpu") == (0, 32, 0)
+    assert parse_version("v0.33") == (0, 33, 0)
+    r = VersionRange.parse(">=0.32,<0.34")
+    assert (0, 32, 0) in r and (0, 33, 9) in r
+    assert (0, 31, 9) not in r and (0, 34, 0) not in r
+    assert str(r) == ">=0.32,<0.34"
+    for bad in ("0.32", ">=0.34,<0.32", "<0.3"):
+        with pytest.raises(ValueError):
+            VersionRange.parse(bad)
+
+
+def test_patches_apply_once_in_range_and_when_their_module_loads():
+    hooks = {}
+    calls = []
+    mod = types.ModuleType("fake_target")
+    m = _manager("0.32.1")
+    m.register_patch(BasePatch("a", "fake_target", VersionRange.parse(">=0.32,<0.34"), lambda mm: calls.append("a")))
+    m.register_patch(BasePatch("b", "fake_target", VersionRange.parse(">=0.33,<0.34"), lambda mm: calls.append("b")))
+    m.activate(lambda name, fn: hooks.setdefault(name, []).append(fn))
+    m.activate(lambda name, fn: hooks.setdefault(name, []).append(fn))  # second activation: no new hooks
+    assert m.results["a"].status == "pending" and m.results["b"].status == "skipped"
+    assert len(hooks["fake_target"]) == 1
+    hooks["fake_target"][0](mod)
+    hooks["fake_target"][0](mod)  # the .pth hook and the plugin both fire: applied once
+    assert calls == ["a"]
+    assert m.results["a"].status == "applied"
+    assert "applied: a" in m.summary() and "skipped: b" in m.summary()
+    with pytest.raises(ValueError):
+        m.register_patch(BasePatch("a", "x", VersionRange.parse(">=0.32,<0.34"), lambda mm: None))
+
+
+def test_unsupported_version_and_failing_patch_messages():
+    with pytest.raises(UnsupportedVersionError, match=r"supports Eng >=0.32,<0.34 but Eng 0.34.0 is installed"):
+        _manager("0.34.0").activate(lambda n, f: None)
+
+    def broken(mm):
+        raise AttributeError("BlockPool")
+
+    m = _manager("0.32.0")
+    m.register_patch(BasePatch("swap_pool", "t", VersionRange.parse(">=0.32,<0.34"), broken, "swap the pool"))
+    hooks = {}
+    m.activate(lambda name, fn: hooks.setdefault(name, fn))
+    with pytest.raises(PatchError, match=r"patch 'swap_pool' \(swap the pool\) failed on t of Eng 0.32.0: AttributeError"):
+        hooks["t"](types.ModuleType("t"))
+    assert m.results["swap_pool"].status == "failed"
+
+
+def test_vllm_patch_table_covers_every_seam():
+    from kvcached.integration.vllm import versions
+
+    names = {p.name: p for p in versions.all_patches()}
+    for needed in ("elastic_block_pool", "scheduler_lifecycle", "allocate_slots_rollback", "worker_allocate_kv_cache",
+                   "cpu_worker_capacity", "gpu_worker_capacity", "cpu_worker_startup_check_0_32"):
+        assert needed in names
+    for mod in versions.ALLOCATE_KV_CACHE_IMPORTERS:
+        assert f"allocate_kv_cache_by_name:{mod}" in names
+    assert (0, 32, 0) in names["cpu_worker_startup_check_0_32"].versions
+    assert (0, 33, 0) not in names["cpu_worker_startup_check_0_32"].versions
+
+
+# -------------------------------------------------------------- layout plan
+
+
+def test_plan_lbhnc_tiny_llama_is_one_page_per_layer():
+    # The tiny model as vLLM lays it out on CPU: 512 blocks of 64 KiB, layer 1 at 32 MiB.
+    plan = KVLayoutPlan(64 * MiB, 512, 64 * KiB, 128, 2 * MiB, [Placement(0, 2, 32 * MiB, 64 * KiB, 64 * KiB)])
+    assert plan.num_logical_pages == 16 and plan.cell_size == 512
+    assert plan.physical_pages(0) == (0, 16)
+    assert plan.physical_pages(15) == (15, 31)
+    assert plan.physical_pages_per_logical_page() == 2
+    with pytest.raises(InvalidArgumentError):
+        plan.physical_pages(16)
+
+
+def test_plan_block_outermost_maps_consecutive_pages():
+    # BLHNC: one block = both layers' 64 KiB, block stride 128 KiB, layer stride 64 KiB.
+    plan = KVLayoutPlan(64 * MiB, 512, 64 * KiB, 128, 2 * MiB, [Placement(0, 2, 64 * KiB, 128 * KiB, 64 * KiB)])
+    assert plan.physical_pages(0) == (0, 1)
+    assert plan.physical_pages(3) == (6, 7)
+
+
+def test_plan_unaligned_layer_regions_share_pages():
+    # 10 blocks of 48 KiB per layer: layer 1 starts at 480 KiB, inside page 3 (128 KiB pages).
+    plan = KVLayoutPlan(960 * KiB, 10, 48 * KiB, 16, 128 * KiB, [Placement(0, 2, 480 * KiB, 48 * KiB, 48 * KiB)])
+    # Page geometry: blocks that straddle a 128 KiB boundary are skipped.
+    first, end = plan.geometry.block_range(0)
+    assert (first, end) == (0, 2)
+    assert plan.physical_pages(0) == (0, 3, 4)  # layer 1's blocks 0-1 span 480-576 KiB
+    shared = set(plan.physical_pages(plan.num_logical_pages - 1)) & set(plan.physical_pages(0))
+    assert shared == {3}  # layer 0's tail and layer 1's head
+
+
+def test_plan_refuses_what_it_cannot_back():
+    with pytest.raises(InvalidArgumentError, match="reaches byte"):
+        KVLayoutPlan(1 * MiB, 512, 64 * KiB, 128, 2 * MiB, [Placement(0, 2, 32 * MiB, 64 * KiB, 64 * KiB)])
+    with pytest.raises(InvalidArgumentError, match="one block size per pool"):
+        KVLayoutPlan(64 * MiB, 512, 64 * KiB, 128, 2 * MiB,
+                     [Placement(0, 1, 0, 64 * KiB, 64 * KiB), Placement(0, 1, 0, 64 * KiB, 32 * KiB)])
+    spec = SimpleNamespace(page_size_bytes=64 * KiB, block_size=128, has_layer_views=True)
+    cfg = SimpleNamespace(
+        num_blocks=512,
+        kv_cache_tensors=[SimpleNamespace(size=64 * MiB, layers=["l0", "l1"], layer_stride=32 * MiB,
+                                          block_stride=64 * KiB, offset=0, host_resident=True)],
+        kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=spec)],
+    )
+    with pytest.raises(InvalidArgumentError, match="host-resident"):
+        KVLayoutPlan.from_kv_cache_config(cfg, 2 * MiB)
+    cfg.kv_cache_tensors[0].host_resident = False
+    plan = KVLayoutPlan.from_kv_cache_config(cfg, 2 * MiB)
+    assert plan.physical_pages(1) == (1, 17)
+
+
+# -------------------------------------------------------- worker executor
+
+
+@pytest.fixture
+def host_plane():
+    from kvcached import _C, vmm_ops
+
+    _C.clear_faults()
+    vmm_ops.init_kvcached("cpu", page_size=128 * KiB, contiguous_layout=False)
+    yield vmm_ops
+    _C.clear_faults()
+    vmm_ops.shutdown_kvcached()
+
+
+def test_executor_maps_logical_pages_with_shared_physical_pages(host_plane):
+    from kvcached import _C
+    from kvcached.integration.vllm.worker_tensors import PlannedExecutor
+    from vmm_helpers import physical_bytes
+
+    P = 128 * KiB
+    plan = KVLayoutPlan(960 * KiB, 10, 48 * KiB, 16, P, [Placement(0, 2, 480 * KiB, 48 * KiB, 48 * KiB)])
+    host_plane.create_kv_tensors(plan.mapped_size, 1, "cpu", num_layers=1, num_kv_buffers=1)
+    ex = PlannedExecutor(plan)
+    base = physical_bytes("cpu")
+    last = plan.num_logical_pages - 1
+
+    def mapped():
+        return sorted(o // P for o in _C.mapped_offsets(0))
+
+    assert ex.map(0, 1, [0]) == (1, 0)
+    assert mapped() == [0, 3, 4]
+    assert ex.map(0, 2, [last * P]) == (1, 0)
+    assert mapped() == sorted(set(plan.physical_pages(0)) | set(plan.physical_pages(last)))
+    assert physical_bytes("cpu") - base == len(mapped()) * P  # the OS agrees
+    assert ex.map(0, 2, [last * P]) == (1, 0)  # a repeated MAP is answered from history
+    # Unmapping page 0 keeps the physical page it shares with the last one.
+    ex.prepare(0, 10, [0])
+    ex.abort(0, 10)  # undo: everything mapped again, data intact
+    assert mapped() == sorted(set(plan.physical_pages(0)) | set(plan.physical_pages(last)))
+    with pytest.raises(Exception, match="abort"):
+        ex.prepare(0, 10, [0])  # a PREPARE after ABORT is refused
+    ex.prepare(0, 11, [0])
+    ex.prepare(0, 11, [0])  # repeated PREPARE: idempotent
+    ex.commit(0, 11)
+    ex.commit(0, 11)
+    assert 3 in mapped() and 0 not in mapped()
+    assert ex.mapped_logical_pages() == [last]
+    with pytest.raises(InvalidArgumentError, match="not mapped"):
+        ex.prepare(0, 12, [0])
+    # A rolled-back MAP undoes exactly what it mapped, and a late MAP is refused.
+    ex.map(0, 3, [0, last * P])
+    assert ex.rollback_map(0, 3) == 1
+    assert ex.mapped_logical_pages() == [last]
+    with pytest.raises(InvalidArgumentError, match="rolled back"):
+        ex.map(0, 3, [0])
+    ex.prepare(0, 13, [last * P])
+    ex.commit(0, 13)
+    assert mapped() == [] and physical_bytes("cpu") == base
+    state = ex.query(0)
+    assert state.created and state.mapped_offsets == []
+
+
+# -------------------------------------------------------------- the fence
+
+
+def _deferred_manager(monkeypatch, host_plane):
+    from kvcached.kv_cache_manager import KVCacheManager
+
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    # 4 blocks of 32 KiB per 128 KiB page, 2 layers.
+    host_plane.create_kv_tensors(64 * 32 * KiB, 1, "cpu", num_layers=2, num_kv_buffers=1)
+    return KVCacheManager(64, 16, 2 * KiB, 2, reserve_null_block=True, num_kv_buffers=1,
+                          defer_physical_release=True)
+
+
+def test_fence_waits_for_every_step_that_could_read_a_freed_page(monkeypatch, host_plane):
+    from kvcached.integration.vllm.engine_core import ExecutionFence
+
+    m = _deferred_manager(monkeypatch, host_plane)
+    f = ExecutionFence(m)
+    mapped = lambda: m.stats()["mapped_pages"]  # noqa: E731
+
+    ids = m.alloc(4)  # a fresh page (page 0 holds the null block)
+    assert mapped() == 2
+    f.schedule_done()  # step 1 reads ids
+    f.schedule_done()  # step 2 submitted before step 1's output (async scheduling)
+    f.update_begin()  # step 1 finished
+    f.depth += 1
+    m.free(ids)  # the request finished in step 1's output; step 2 may still read its blocks
+    f.depth -= 1
+    f.update_end()
+    assert mapped() == 2, "released while step 2 could still read the page"
+    f.after_free()  # inside no step, but step 2 is in flight
+    assert mapped() == 2
+    f.update_begin()  # step 2 finished: nothing in flight
+    assert mapped() == 1
+    # Synchronous pattern (CPU): a page freed after the step finished goes at once.
+    ids = m.alloc(4)
+    f.schedule_done()
+    f.update_begin()
+    f.depth += 1
+    m.free(ids)
+    f.depth -= 1
+    f.update_end()
+    assert mapped() == 1
+    # A page emptied and refilled before the release stays mapped.
+    ids = m.alloc(4)
+    f.schedule_done()
+    f.schedule_done()
+    m.free(ids)
+    again = m.alloc(4)
+    f.update_begin()
+    f.update_begin()
+    assert mapped() == 2  # the reused page was kept
+    m.free(again)
+    f.after_free()
+    assert mapped() == 1
+    m.shutdown()
+
+
+# --------------------------------------------------- allocate_slots rollback
+
+
+class _Pool:
+    def __init__(self):
+        self.freed = []
+
+    def free_blocks(self, blocks):
+        self.freed.extend(blocks)
+
+
+def test_allocate_slots_rollback_restores_the_request_exactly():
+    from collections import defaultdict
+
+    from kvcached.integration.vllm.engine_core import _rollback, _snapshot
+
+    m = SimpleNamespace(req_to_blocks=defaultdict(list), num_cached_block={}, new_block_ids=[], _partial_hit_reqs={})
+    m.req_to_blocks["r"] = ["b1", "b2"]
+    m.num_cached_block["r"] = 1
+    m.new_block_ids.extend([1, 2])
+    snap = _snapshot(m, "r")
+    # The failed call attached a touched hit and a new block, then ran out.
+    m.req_to_blocks["r"].extend(["hit", "new"])
+    m.num_cached_block["r"] = 3
+    m.new_block_ids.append(9)
+    m.req_to_blocks["fresh"].append("x")  # another request is not touched
+    pool = _Pool()
+    _rollback(m, "r", snap, pool)
+    assert m.req_to_blocks["r"] == ["b1", "b2"] and m.num_cached_block["r"] == 1 and m.new_block_ids == [1, 2]
+    assert pool.freed == ["new", "hit"]  # tail first, like vLLM's free
+    # A waiting request that had nothing: its entries disappear again.
+    snap = _snapshot(m, "w")
+    m.req_to_blocks["w"].extend(["h"])
+    m.num_cached_block["w"] = 1
+    m._partial_hit_reqs["w"] = (0, "h")
+    _rollback(m, "w", snap, pool)
+    assert "w" not in m.req_to_blocks and "w" not in m.num_cached_block and "w" not in m._partial_hit_reqs
