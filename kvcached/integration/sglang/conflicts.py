@@ -1,0 +1,104 @@
+"""SGLang features that cannot run together with kvcached, and the refusal.
+
+kvcached owns the KV cache's virtual addresses and its physical memory, page by
+page. SGLang has features that own one or the other too (its memory saver
+pauses and resumes the whole KV region; the post-capture VMM arena commits the
+KV span itself), or that address the KV cache in ways the elastic pool does not
+provide (other pool layouts, widened allocator id spaces, a draft model sharing
+the target's allocator, buffers registered with transfer engines). Running with
+any of them would either fight over the memory or read pages that kvcached never
+mapped, so kvcached refuses at start-up with one line naming the flag to drop.
+
+The checks run twice: in the launching process on the raw ``ServerArgs`` (so
+``launch_server``/``Engine`` stop before any child process starts), and again
+where the pools are built (so a pool constructed some other way is refused too).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List
+
+_FIX = "or unset ENABLE_KVCACHED to run without kvcached"
+
+
+class UnsupportedConfigurationError(ValueError):
+    """kvcached cannot serve this SGLang configuration; the message names the fix."""
+
+
+def refuse(what: str, fix: str) -> UnsupportedConfigurationError:
+    """The error for one conflict: ``kvcached: <what>; <fix>, or unset ENABLE_KVCACHED ...``."""
+    return UnsupportedConfigurationError(f"kvcached: {what}; {fix}, {_FIX}")
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def post_capture_env_on() -> bool:
+    """SGLANG_ENABLE_POST_CAPTURE_KV_SIZING asks for SGLang's own CUDA VMM KV arena."""
+    return _env_on("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
+
+
+def server_args_conflicts(args: Any) -> List[UnsupportedConfigurationError]:
+    """Every conflict visible in the (raw) ServerArgs and the environment."""
+    g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    found: List[UnsupportedConfigurationError] = []
+    if g("enable_memory_saver"):
+        found.append(refuse(
+            "--enable-memory-saver lets SGLang's memory saver own (pause/resume) the KV cache memory, "
+            "which kvcached owns", "drop --enable-memory-saver"))
+    if post_capture_env_on():
+        found.append(refuse(
+            "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 makes SGLang back the KV cache with its own CUDA VMM arena",
+            "unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"))
+    if g("speculative_algorithm"):
+        found.append(refuse(
+            "speculative decoding (--speculative-algorithm) gives the draft model a second KV pool that shares "
+            "the target's allocator, which the elastic pool does not map", "drop --speculative-algorithm"))
+    mode = g("disaggregation_mode")
+    if mode not in (None, "", "null"):
+        found.append(refuse(
+            f"PD disaggregation (--disaggregation-mode {mode}) registers the KV buffers with a transfer engine",
+            "drop --disaggregation-mode"))
+    for flag, why in (
+        ("enable_hierarchical_cache", "the hierarchical cache copies KV pages by raw buffer pointers"),
+        ("enable_unified_memory", "the unified memory pool carves every pool out of one byte buffer"),
+        ("enable_page_major_kv_layout", "the page-major layout is a different pool class"),
+        ("enable_kv_cache_sharding", "KV cache sharding widens the allocator's id space"),
+        ("enable_hisparse", "hierarchical sparse attention uses its own device/host allocator"),
+    ):
+        if g(flag):
+            found.append(refuse(f"--{flag.replace('_', '-')}: {why}", f"drop --{flag.replace('_', '-')}"))
+    dcp = g("dcp_size")
+    if isinstance(dcp, int) and dcp > 1:
+        found.append(refuse(f"decode context parallelism (--dcp-size {dcp}) widens the allocator's id space",
+                            "drop --dcp-size"))
+    if os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL"):
+        found.append(refuse("SGLANG_MOONCAKE_CUSTOM_MEM_POOL allocates the KV buffers from a custom memory pool",
+                            "unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL"))
+    if _env_on("SGLANG_USE_HND_KVCACHE"):
+        found.append(refuse("SGLANG_USE_HND_KVCACHE=1 selects the HND pool layout (rows are pages, not tokens)",
+                            "unset SGLANG_USE_HND_KVCACHE"))
+    return found
+
+
+def check_server_args(args: Any) -> None:
+    """Raises the first conflict (UnsupportedConfigurationError), if any."""
+    found = server_args_conflicts(args)
+    if found:
+        raise found[0]
+
+
+def check_pool(pool: Any) -> None:
+    """Refuses a KV pool whose memory SGLang would manage itself (called in the pool's constructor)."""
+    adapter = getattr(pool, "memory_saver_adapter", None)
+    if adapter is not None and getattr(adapter, "enabled", False):
+        raise refuse("the KV pool was built with SGLang's memory saver enabled (it owns the KV memory)",
+                     "drop --enable-memory-saver")
+    if getattr(pool, "post_capture_active", False) or post_capture_env_on():
+        raise refuse("the KV pool was built for SGLang's post-capture VMM arena (it owns the KV address range)",
+                     "unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
+    if getattr(pool, "enable_custom_mem_pool", False) or getattr(pool, "custom_mem_pool", None) is not None:
+        raise refuse("the KV pool allocates from a custom memory pool (SGLANG_MOONCAKE_CUSTOM_MEM_POOL)",
+                     "unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL")

@@ -1,0 +1,110 @@
+"""How kvcached gets into SGLang's processes.
+
+Two ways in, both ending in ``activate()`` (idempotent):
+
+* the ``sglang.srt.plugins`` entry point ``kvcached = kvcached.integration.sglang.plugin:register``:
+  SGLang calls ``load_plugins()`` in the launching process and as the first
+  line of every scheduler process (spawned, so it re-imports everything);
+* ``kvcached.autopatch`` (the ``.pth`` hook) calls ``activate()`` as soon as
+  ``sglang`` is imported, in every Python process with ``ENABLE_KVCACHED=true``.
+
+``activate()`` checks the SGLang version once and hooks each patch of
+``patches.all_patches()`` to its module (applied at once if it is already
+imported). An unsupported SGLang version stops start-up with one line naming
+the supported range. Nothing happens unless ``ENABLE_KVCACHED`` is true.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Optional
+
+from kvcached import config
+from kvcached.integration.patch_base import PatchError, PatchManager, UnsupportedVersionError
+
+logger = logging.getLogger("kvcached.integration.sglang")
+
+_lock = threading.Lock()
+_manager: Optional[PatchManager] = None
+
+
+def sglang_version() -> str:
+    """The installed SGLang version (distribution metadata, else ``sglang.__version__``)."""
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        import sglang
+
+        return str(getattr(sglang, "__version__", "0"))
+
+
+def patch_manager() -> PatchManager:
+    """The process's SGLang PatchManager (made once)."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            from kvcached.integration.sglang.patches import SUPPORTED, all_patches
+
+            m = PatchManager("sglang", SUPPORTED, sglang_version)
+            for p in all_patches():
+                m.register_patch(p)
+            _manager = m
+        return _manager
+
+
+def ensure_instance_name() -> str:
+    """KVCACHED_IPC_NAME, set to ``kvcached_sglang_<pid>`` by the first process if unset.
+
+    SGLang spawns its scheduler(s) after loading plugins in the launching
+    process, so they inherit the name: ``kvctl list`` shows one instance per
+    engine (one record per pool and rank under it), and two engines started
+    from one shell do not collide the way a process-group name would.
+    """
+    name = os.environ.get("KVCACHED_IPC_NAME")
+    if not name:
+        name = f"kvcached_sglang_{os.getpid()}"
+        os.environ["KVCACHED_IPC_NAME"] = name
+    return name
+
+
+_activated_by: Optional[str] = None
+
+
+def activated_by() -> Optional[str]:
+    """``"autopatch"`` or ``"plugin"``: which route activated kvcached in this process (None: neither)."""
+    return _activated_by
+
+
+def activate(source: str = "autopatch") -> None:
+    """Checks the SGLang version and installs the patches (no-op unless ENABLE_KVCACHED)."""
+    global _activated_by
+    if not config.enabled():
+        return
+    from kvcached.autopatch import register_post_import_hook
+
+    ensure_instance_name()
+    m = patch_manager()
+    try:
+        m.activate(register_post_import_hook)
+    except UnsupportedVersionError as e:
+        # One clear line, and stop: running SGLang unpatched while the user
+        # asked for kvcached would silently use static memory.
+        raise SystemExit(f"kvcached: {e}") from None
+    if _activated_by is None:
+        _activated_by = source
+        logger.info("kvcached: SGLang %s patched (via %s, instance %s)",
+                    ".".join(map(str, m.version or ())), source, os.environ.get("KVCACHED_IPC_NAME"))
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point (runs in every SGLang process)."""
+    try:
+        activate("plugin")
+    except PatchError as e:
+        # load_plugins() only logs a plugin's exceptions; the engine must not
+        # run half patched.
+        raise SystemExit(str(e)) from None

@@ -1,0 +1,292 @@
+"""Elastic SGLang KV pools: the K/V buffers are views of kvcached FTensors.
+
+``ElasticMHATokenToKVPool`` and ``ElasticMLATokenToKVPool`` subclass SGLang's
+pools and change only how the buffers are carved (the seam SGLang's platform
+interface names: ``_create_buffers``). Everything else (writes, reads, data
+pointer tables, CPU copies) is SGLang's own code over our tensors.
+
+Layout, per layer (the native pool's, see ``MHATokenToKVPool._create_buffers_normal``):
+one address range ``[K rows | V rows]``; K is ``(size + page_size, H, D)`` with
+strides ``(H*D, D, 1)`` and V the same shape ``V_OFFSET`` bytes after K, where
+``V_OFFSET`` is a whole number of SGLang pages (paged kernels that address V
+from K's base by block offsets keep working). The native pool pads the rows to
+a page multiple; we pad further, to a multiple of the kvcached page, because
+the data plane maps K and V of a layer at the same page offset. When the
+native padding is already page aligned the offset is identical to SGLang's.
+The addresses are reserved once, never move and stay valid for the pool's life;
+physical pages come and go underneath.
+
+One KV pool is one kvcached group with its own ``KVCacheManager`` (a block is
+one SGLang page: ``page_size`` tokens, one token at page size 1; block 0 is
+SGLang's padding slot and stays mapped) and its own shared-memory record
+(``kvctl list``/``kvctl limit``). The manager retires emptied pages instead of
+unmapping them at once; the scheduler hooks release them when no queued batch
+can read them any more (overlap scheduling, see ``scheduler_hooks``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+from kvcached import _C
+from kvcached.integration import runtime
+from kvcached.integration.sglang import conflicts, interfaces
+from kvcached.kv_cache_manager import KVCacheManager
+
+logger = logging.getLogger("kvcached.integration.sglang")
+
+ENGINE = "sglang"
+
+
+@dataclass
+class ElasticGroup:
+    """One elastic pool's kvcached state (one KV group)."""
+
+    group_id: int
+    ordinal: int  # pools made in this process, 0-based
+    manager: KVCacheManager
+    page_tokens: int  # SGLang page size
+    row_bytes: int  # bytes of one token in one K (or V) buffer of one layer
+    buffer_rows: int  # rows of the FTensor views (>= size + page_size)
+    k_views: List[Any]
+    v_views: List[Any]
+    limits: Any = None  # kvcached.limits.InstanceLimits, or None
+    record_name: str = ""
+    pool_class: str = ""
+    released_pages: int = 0
+    data_ptrs: Tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def holes(self) -> int:
+        """Blocks below num_blocks that straddle a kvcached page (never handed out)."""
+        geo = self.manager.geometry
+        return geo.num_blocks - geo.num_usable_blocks
+
+    def release_retired(self, marker: int) -> int:
+        n = self.manager.release_retired_pages_through(marker)
+        self.released_pages += n
+        return n
+
+    def release_all_retired(self) -> int:
+        """Releases every emptied page (only when no batch can read them)."""
+        return self.release_retired(self.manager.capture_physical_release_marker())
+
+
+_lock = threading.RLock()
+_groups: List[ElasticGroup] = []
+_pools: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def elastic_groups() -> List[ElasticGroup]:
+    """The elastic pools built in this process (scheduler hooks and reports read them)."""
+    with _lock:
+        return list(_groups)
+
+
+def is_elastic_pool(kvcache: Any) -> bool:
+    """True for an elastic pool, or an SWA composite whose sub-pools are all elastic."""
+    if kvcache is None:
+        return False
+    if getattr(kvcache, "kvcached_group", None) is not None:
+        return True
+    subs = [getattr(kvcache, n, None) for n in ("full_kv_pool", "swa_kv_pool")]
+    subs = [s for s in subs if s is not None]
+    return bool(subs) and all(getattr(s, "kvcached_group", None) is not None for s in subs)
+
+
+def shutdown_all() -> None:
+    """Closes every record and manager made here and the data plane (tests, exit)."""
+    with _lock:
+        for g in _groups:
+            g.manager.shutdown()  # removes the pool's record
+        _groups.clear()
+        _pools.clear()
+    interfaces.shutdown_kvcached()
+
+
+def _device_str(device: Any) -> str:
+    import torch
+
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        return f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
+    if dev.type == "cpu":
+        return "cpu"
+    raise conflicts.refuse(f"the KV cache is on {dev}, a device kvcached has no backend for", "use a CUDA or CPU device")
+
+
+def _parallel_ranks() -> Tuple[int, int, int]:
+    """(tp_rank, tp_size, pp_rank) of this scheduler process (0, 1, 0 outside a distributed run)."""
+    try:
+        from sglang.srt.distributed import (
+            get_pipeline_model_parallel_rank,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return (
+            int(get_tensor_model_parallel_rank()),
+            int(get_tensor_model_parallel_world_size()),
+            int(get_pipeline_model_parallel_rank()),
+        )
+    except Exception:  # no model-parallel groups (a pool built outside an engine)
+        return 0, 1, 0
+
+
+def buffer_rows(rows: int, page_tokens: int, row_bytes: int, kv_page_bytes: int) -> int:
+    """Rows of one K (V) view: SGLang's page-padded rows, padded on to a whole
+    number of kvcached pages (and of SGLang pages), so V starts page aligned."""
+    padded = -(-rows // page_tokens) * page_tokens
+    block = page_tokens * row_bytes
+    unit_rows = (kv_page_bytes * block // math.gcd(kv_page_bytes, block)) // row_bytes
+    return -(-padded // unit_rows) * unit_rows
+
+
+def _record_base_name(tp_rank: int, pp_rank: int) -> str:
+    """KVCACHED_IPC_NAME (set by the launching process), plus _pp<p>/_tp<r> for
+    ranks other than 0: every TP/PP rank runs its own scheduler and pool."""
+    from kvcached.limits import instance_name, read_record
+
+    base = instance_name(ENGINE)
+    if pp_rank:
+        base += f"_pp{pp_rank}"
+    if tp_rank:
+        base += f"_tp{tp_rank}"
+    try:
+        rec = read_record(base)
+    except Exception:  # no such record: the name is free
+        return base
+    if rec.alive and rec.owner_pid != os.getpid():
+        # Another live process (a second engine started with the same
+        # inherited name, or a data-parallel peer) owns it: keep both visible.
+        alt = f"{base}_{os.getpid()}"
+        logger.warning("kvcached: record %s belongs to live pid %d; this pool uses %s", base, rec.owner_pid, alt)
+        return alt
+    return base
+
+
+def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> ElasticGroup:
+    """Creates the FTensors, the manager and the record of one pool.
+
+    ``rows`` is SGLang's buffer row count (``size + page_size``); views of
+    ``(rows, heads, dim)`` per layer (and per K/V when ``kv == 2``) are returned
+    in the group.
+    """
+    conflicts.check_pool(pool)
+    device = _device_str(pool.device)
+    tp_rank, tp_size, pp_rank = _parallel_ranks()
+    interfaces.init_kvcached(tp_rank, tp_size, is_worker=True, device=device, pp_rank=pp_rank)
+    cfg = _C.config()
+    if cfg["contiguous_layout"]:
+        raise conflicts.refuse(
+            "KVCACHED_CONTIGUOUS_LAYOUT=true interleaves layers per token, but SGLang's K/V buffers need "
+            "contiguous token rows per layer", "unset KVCACHED_CONTIGUOUS_LAYOUT")
+    ps = int(pool.page_size)
+    size = int(pool.size)
+    itemsize = pool.store_dtype.itemsize
+    row_bytes = heads * dim * itemsize
+    t_rows = buffer_rows(rows, ps, row_bytes, int(cfg["page_size"]))
+    with _lock:
+        gid = 0
+        while _C.kv_tensors_created(gid):
+            gid += 1
+        ordinal = len(_groups)
+        out = interfaces.alloc_kv_cache(
+            (t_rows, heads, dim), pool.store_dtype, device, int(pool.layer_num), ps,
+            "MHA" if kv == 2 else "MLA", "NHD", gid,
+        )
+        k_full, v_full = out if kv == 2 else (out, [])
+        # A block is one SGLang page; pages 1..size//ps are handed out, page 0
+        # is the padding slot (the null block). Blocks past that exist only as
+        # address padding.
+        num_blocks = size // ps + 1
+        # own_segment: the manager creates the pool's record (kvctl list/limit)
+        # and asks the device budget before mapping fresh pages.
+        mgr = runtime.make_manager(
+            num_blocks, ps, row_bytes, int(pool.layer_num), True, kv, gid, 1,
+            defer_physical_release=True, own_segment=True, pool_name=_record_base_name(tp_rank, pp_rank),
+        )
+        limits, name = mgr.limits, mgr.pool_name
+        k_views = [t[:rows] for t in k_full]
+        v_views = [t[:rows] for t in v_full]
+        grp = ElasticGroup(
+            group_id=gid, ordinal=ordinal, manager=mgr, page_tokens=ps, row_bytes=row_bytes,
+            buffer_rows=t_rows, k_views=k_views, v_views=v_views, limits=limits, record_name=name,
+            pool_class=type(pool).__name__,
+            data_ptrs=tuple(t.data_ptr() for t in k_views + v_views),
+        )
+        _groups.append(grp)
+        _pools[gid] = pool
+    virt = mgr.geometry.num_pages * mgr.bytes_per_page
+    from kvcached.integration.sglang.plugin import activated_by
+
+    logger.info(
+        "kvcached: elastic %s %r: %d tokens (page %d), %d layers, %.1f MiB virtual, record %s (patched via %s)",
+        grp.pool_class, gid, size, ps, pool.layer_num, virt / (1 << 20), name, activated_by() or "direct use",
+    )
+    return grp
+
+
+def _refuse_layout(pool: Any) -> None:
+    if getattr(pool, "is_quantized_kv_cache", False):
+        raise conflicts.refuse("quantized (fp4/mxfp8) KV pools keep scale buffers kvcached does not map",
+                               "use --kv-cache-dtype auto or fp8_e4m3")
+    layout = getattr(pool, "kv_cache_layout", "nhd")
+    if layout != "nhd":
+        raise conflicts.refuse(f"the {layout!r} KV layout is not the token-major (NHD) layout kvcached maps",
+                               "unset SGLANG_USE_HND_KVCACHE / SGLANG_AITER_KV_CACHE_LAYOUT")
+
+
+def _mha_base():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool
+
+
+def _mla_base():
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool
+
+
+class ElasticMHATokenToKVPool(_mha_base()):
+    """MHATokenToKVPool over kvcached: same shapes, strides and K/V placement."""
+
+    kvcached_group: Optional[ElasticGroup] = None
+
+    def _create_buffers(self) -> None:
+        conflicts.check_pool(self)
+        _refuse_layout(self)
+        super()._create_buffers()  # -> _create_buffers_normal below, then the pointer tables
+
+    def _create_buffers_normal(self) -> None:
+        k_shape, v_shape = self._kv_buffer_shapes()
+        if tuple(k_shape) != tuple(v_shape):
+            raise conflicts.refuse(
+                f"K {tuple(k_shape)} and V {tuple(v_shape)} rows differ (v_head_dim != head_dim); kvcached maps "
+                "K and V of a token at the same offset", "use a model whose K and V head dims are equal")
+        rows, heads, dim = (int(x) for x in k_shape)
+        self.kvcached_group = create_group(self, rows=rows, heads=heads, dim=dim, kv=2)
+        self.k_buffer = list(self.kvcached_group.k_views)
+        self.v_buffer = list(self.kvcached_group.v_views)
+
+
+class ElasticMLATokenToKVPool(_mla_base()):
+    """MLATokenToKVPool over kvcached: one latent buffer per layer, native shape."""
+
+    kvcached_group: Optional[ElasticGroup] = None
+
+    def _create_buffers(self) -> None:
+        conflicts.check_pool(self)
+        if getattr(self, "use_dsa", False):
+            raise conflicts.refuse("DeepSeek sparse attention (DSA) pools keep indexer buffers kvcached does not map",
+                                   "use a model without DSA")
+        rows = int(self.size) + int(self.page_size)
+        self.kvcached_group = create_group(self, rows=rows, heads=1, dim=int(self.kv_cache_dim), kv=1)
+        self.kv_buffer = list(self.kvcached_group.k_views)

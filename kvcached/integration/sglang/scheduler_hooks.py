@@ -1,0 +1,215 @@
+"""What the SGLang scheduler does for kvcached between batches.
+
+Deferred physical release (overlap scheduling). SGLang's overlap loop launches
+batch N+1 before it processes the result of batch N, and requests that finish
+in N are freed while N+1, which may still carry them, runs on the device. A
+native pool only recycles the slots; kvcached would unmap the memory under
+N+1's kernels (``cuMemUnmap`` does not wait for them). So emptied pages are
+only retired (they stay mapped and reusable), and released as follows:
+
+* right after a batch is launched, a release marker is captured and stored on
+  its result: it covers every page emptied before the launch;
+* when that result has been processed, the batch and every earlier one have
+  finished (results are processed in launch order, after their device work),
+  so the pages retired before the marker cannot be read any more: release them;
+* when the scheduler is idle (nothing in flight) and after ``flush_cache``,
+  everything retired is released.
+
+The same order holds for the non-overlap loop (launch, then process).
+
+Prefix-cache bound: after each batch, if the radix cache holds more than
+``KVCACHED_MAX_CACHED_TOKENS`` tokens, unlocked entries are evicted (LRU, by
+SGLang's own policy) until it holds at most that many or nothing is evictable.
+
+A lowered limit (``kvctl limit``): no page is mapped past it from then on, and
+pages with live blocks are released as their blocks are freed. Blocks held
+only by the prefix cache would keep their pages forever, so after each batch
+and when idle, while a pool maps more than its limit, unlocked cache entries
+are evicted until the pages still holding blocks fit under the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from kvcached.integration.sglang.pool import ElasticGroup, elastic_groups
+
+logger = logging.getLogger("kvcached.integration.sglang")
+
+ENV_MAX_CACHED_TOKENS = "KVCACHED_MAX_CACHED_TOKENS"
+_MARKERS = "_kvcached_release_markers"
+
+# Counters for kvcached_report (this process).
+_stats: Dict[str, int] = {"batches": 0, "idle_turns": 0, "cache_bound_evicted_tokens": 0, "limit_evicted_tokens": 0,
+                          "flushes": 0}
+
+
+def max_cached_tokens() -> Optional[int]:
+    """KVCACHED_MAX_CACHED_TOKENS as a token count (None: unbounded); ValueError names the fix."""
+    raw = os.environ.get(ENV_MAX_CACHED_TOKENS, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw, 0)
+    except ValueError:
+        raise ValueError(f"{ENV_MAX_CACHED_TOKENS}={raw!r} is not an integer number of tokens; unset it or use e.g. 65536") from None
+    if n < 0:
+        raise ValueError(f"{ENV_MAX_CACHED_TOKENS}={raw!r} is negative; use 0 or more tokens")
+    return n
+
+
+def after_launch(result: Any) -> None:
+    """Stores on ``result`` one release marker per pool (pages emptied before this launch)."""
+    groups = elastic_groups()
+    if not groups or result is None:
+        return
+    markers = tuple((g, g.manager.capture_physical_release_marker()) for g in groups)
+    setattr(result, _MARKERS, markers)
+
+
+def after_result(scheduler: Any, result: Any) -> None:
+    """The batch of ``result`` and all earlier ones have finished: release, then bound the cache."""
+    _stats["batches"] += 1
+    markers: Tuple[Tuple[ElasticGroup, int], ...] = getattr(result, _MARKERS, ()) if result is not None else ()
+    for g, m in markers:
+        g.release_retired(m)
+    tree = getattr(scheduler, "tree_cache", None)
+    bound_prefix_cache(tree)
+    shrink_to_limits(tree)
+
+
+def nothing_in_flight(scheduler: Any) -> bool:
+    return getattr(scheduler, "last_batch", None) is None and not getattr(scheduler, "result_queue", None)
+
+
+def on_idle(scheduler: Any) -> None:
+    _stats["idle_turns"] += 1
+    if nothing_in_flight(scheduler):
+        shrink_to_limits(getattr(scheduler, "tree_cache", None))  # emptied pages retire...
+        release_all()  # ...and are released at once: nothing is in flight
+
+
+def after_flush(scheduler: Any, success: Any) -> None:
+    if success:
+        _stats["flushes"] += 1
+        release_all()
+
+
+def release_all() -> int:
+    n = 0
+    for g in elastic_groups():
+        n += g.release_all_retired()
+    return n
+
+
+def bound_prefix_cache(tree_cache: Any) -> int:
+    """Evicts unlocked prefix-cache entries above KVCACHED_MAX_CACHED_TOKENS; returns tokens evicted."""
+    bound = max_cached_tokens()
+    if bound is None or tree_cache is None or not tree_cache.supports_prefix_sharing():
+        return 0
+    evictable = int(tree_cache.evictable_size())
+    cached = evictable + int(tree_cache.protected_size())
+    excess = min(cached - bound, evictable)
+    if excess <= 0:
+        return 0
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    res = tree_cache.evict(EvictParams(num_tokens=excess))
+    n = int(getattr(res, "num_tokens_evicted", 0) or 0)
+    _stats["cache_bound_evicted_tokens"] += n
+    return n
+
+
+def _live_page_bytes(g: ElasticGroup) -> int:
+    """Bytes of the pages that still hold a block (emptied, retired pages excluded)."""
+    occ = g.manager.get_page_occupancy()
+    return sum(1 for n in occ.values() if n > 0) * g.manager.bytes_per_page
+
+
+def shrink_to_limits(tree_cache: Any) -> int:
+    """Evicts unlocked prefix-cache entries while a pool maps more than its limit; returns tokens evicted."""
+    if tree_cache is None or not tree_cache.supports_prefix_sharing():
+        return 0
+    evicted = 0
+    for g in elastic_groups():
+        lim = g.limits
+        if lim is None:
+            continue
+        limit = int(lim.limit)
+        mapped = g.manager.page_allocator.get_num_mapped_pages() * g.manager.bytes_per_page
+        if limit < 0 or mapped <= limit or tree_cache.evictable_size() <= 0:
+            continue
+        if _live_page_bytes(g) <= limit:
+            continue  # only emptied pages or the reserve are over: released/trimmed without evicting
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        res = tree_cache.evict_for_alloc(
+            EvictParams(num_tokens=tree_cache.evictable_size()),
+            allocation_reclaim_satisfied=lambda g=g, limit=limit: _live_page_bytes(g) <= limit,
+        )
+        n = int(getattr(res, "num_tokens_evicted", 0) or 0)
+        evicted += n
+        _stats["limit_evicted_tokens"] += n
+    return evicted
+
+
+def report(scheduler: Any) -> Dict[str, Any]:
+    """The scheduler's kvcached state (for ``Engine.collective_rpc("kvcached_report", path=...)``)."""
+    alloc = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    tree = getattr(scheduler, "tree_cache", None)
+    pools = []
+    for g in elastic_groups():
+        m = g.manager
+        rec = None
+        if g.limits is not None:
+            r = g.limits.record()
+            rec = {"name": r.name, "limit": r.limit, "used": r.used, "prealloc": r.prealloc, "total": r.total,
+                   "revision": r.revision, "applied_revision": getattr(r, "applied_revision", None)}
+        pools.append({
+            "group_id": g.group_id,
+            "pool_class": g.pool_class,
+            "page_tokens": g.page_tokens,
+            "row_bytes": g.row_bytes,
+            "buffer_rows": g.buffer_rows,
+            "holes": g.holes,
+            "num_blocks": m.num_blocks,
+            "kv_page_bytes": m.page_size,
+            "bytes_per_page": m.bytes_per_page,
+            "logical_free_blocks": m.logical_free_size(),
+            "physical_available_blocks": m.available_size(),
+            "mapped_bytes": m.get_mapped_memory_size(),
+            "released_pages": g.released_pages,
+            "stats": m.stats(),
+            "data_ptrs_at_start": list(g.data_ptrs),
+            "data_ptrs_now": [t.data_ptr() for t in g.k_views + g.v_views],
+            "record": rec,
+        })
+    out: Dict[str, Any] = {
+        "pid": os.getpid(),
+        "time": time.time(),
+        "allocator_class": type(alloc).__name__ if alloc is not None else None,
+        "pool_class": type(alloc.get_kvcache()).__name__ if alloc is not None else None,
+        "available_size": alloc.available_size() if alloc is not None else None,
+        "physical_available_size": getattr(alloc, "physical_available_size", lambda: None)(),
+        "max_total_num_tokens": getattr(scheduler, "max_total_num_tokens", None),
+        "evictable_size": tree.evictable_size() if tree is not None else None,
+        "protected_size": tree.protected_size() if tree is not None else None,
+        "max_cached_tokens": max_cached_tokens(),
+        "pools": pools,
+    }
+    out.update(_stats)
+    return out
+
+
+def kvcached_report(self: Any, path: str) -> None:
+    """Scheduler method: writes ``report(self)`` as JSON to ``path`` (one file per TP rank: ``path.<rank>``)."""
+    rank = int(getattr(self, "tp_rank", 0) or 0)
+    target = path if rank == 0 else f"{path}.{rank}"
+    tmp = target + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report(self), f)
+    os.replace(tmp, target)

@@ -1,0 +1,47 @@
+"""SGLang integration tests: run with the SGLang venv (scripts/test_engines_sglang.sh).
+
+Under any other interpreter (the main suite's venv has no SGLang) this folder
+is skipped, unless KVCACHED_REQUIRE_SGLANG=1, which the engine script sets so
+that a broken SGLang install fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STUBS = os.path.join(os.path.dirname(HERE), "sglang_stubs")
+
+_have_sglang = importlib.util.find_spec("sglang") is not None
+if not _have_sglang and os.environ.get("KVCACHED_REQUIRE_SGLANG") != "1":
+    collect_ignore_glob = ["test_*.py"]
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("KVCACHED_REQUIRE_SGLANG") == "1" and not _have_sglang:
+        raise pytest.UsageError("KVCACHED_REQUIRE_SGLANG=1 but sglang is not importable in this interpreter")
+    # SGLang on device="cpu" imports vllm._custom_ops.rotary_embedding (never calls it);
+    # the test-only stub provides it, here and in every process the tests start.
+    pp = os.environ.get("PYTHONPATH", "")
+    if STUBS not in pp.split(os.pathsep):
+        os.environ["PYTHONPATH"] = STUBS + (os.pathsep + pp if pp else "")
+    import sys
+
+    if STUBS not in sys.path:
+        sys.path.insert(0, STUBS)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama (2 layers, 2 KV heads, head_dim 32), built at test time."""
+    from kvcached.testing.tiny_model import build_tiny_llama
+
+    path = str(tmp_path_factory.mktemp("model") / "tiny-llama")
+    build_tiny_llama(path, seed=0, vocab_size=512, hidden_size=64)
+    return path
