@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh environment and runs the whole test suite (host backend;
 # GPU tests skip cleanly without a GPU), then the real-engine tests
-# (scripts/test_engines.sh; KVCACHED_ENGINE_TESTS=0 skips them).
+# (scripts/test_engines.sh: vLLM, scripts/test_engines_sglang.sh: SGLang;
+# KVCACHED_ENGINE_TESTS=0 skips them).
 # Usage: bash scripts/test.sh [pytest args for the main suite]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,4 +14,5 @@ echo "[test] running pytest"
 # Then the real engines, each in its own venv (KVCACHED_ENGINE_TESTS=0 skips them).
 if [ "${KVCACHED_ENGINE_TESTS:-1}" != "0" ]; then
   bash scripts/test_engines.sh
+  bash scripts/test_engines_sglang.sh
 fi
