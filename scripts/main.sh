@@ -1,10 +1,24 @@
 #!/usr/bin/env bash
-# Main job on a fresh machine: set up kvcached and run the data-plane benchmark,
-# kvcached's map/unmap path beside the raw backend calls in the same run
-# (host backend here; pass --device cuda:0 on a GPU machine).
+# Main job on a fresh machine: set up a vLLM (CPU) venv with kvcached installed
+# as a wheel, start two real vLLM OpenAI servers on a tiny Llama that share one
+# KV budget, drive load at one and then the other, print `kvctl list` snapshots
+# and write a plot of mapped KV per instance over time (memory follows load).
+# Usage: bash scripts/main.sh [--out PNG] [--budget SIZE] [--requests N]
+#        (default PNG docs/main_job.png). Env: KVCACHED_VLLM_VENV (default .venvs/vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${KVCACHED_VENV:-.venvs/kvcached}"
-bash scripts/setup_env.sh "$VENV"
-echo "[main] python -m kvcached.bench vmm $*"
-exec "$VENV/bin/python" -m kvcached.bench vmm "$@"
+VENV="${KVCACHED_VLLM_VENV:-.venvs/vllm}"
+step() { printf '[main %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+step "setting up the vLLM venv $VENV (first time: ~3-4 min, 3.4 GB)"
+bash scripts/setup_vllm_venv.sh "$VENV"
+PY="$(cd "$VENV" && pwd)/bin/python"
+if ! "$PY" -c "import matplotlib" >/dev/null 2>&1; then
+  step "installing matplotlib into $VENV (for the plot)"
+  "$PY" -m pip install -q matplotlib
+fi
+step "building and installing kvcached into $VENV (a wheel, build isolation; ~1 min)"
+"$PY" -m pip install -q --force-reinstall --no-deps .
+step "running the two-engine job"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec "$PY" scripts/main_job.py "$@"

@@ -9,4 +9,5 @@ BENCHMARKS = {
     "manager": "KVCacheManager alloc/free rate vs vLLM's native BlockPool",
     "ipc": "map fan-out round trip to worker processes",
     "attention": "GPU decode attention over elastic vs native KV per layout, and map throughput",
+    "vllm": "vLLM output tokens/s and TTFT with and without kvcached, in one run",
 }

@@ -231,9 +231,12 @@ class ElasticBlockPool(BlockPool):
         self.backend.after_free()
 
     def _bound_cache(self) -> None:
-        excess_tokens = self.free_block_queue.num_free_blocks * self._block_tokens - self._max_cached
-        if excess_tokens > 0:
-            self.evict_cached(-(-excess_tokens // self._block_tokens), whole_pages_first=True)
+        cached = self.free_block_queue.num_free_blocks * self._block_tokens
+        if cached > self._max_cached:
+            # Down to 90% of the bound, so that the next frees do not walk the
+            # queue again at once.
+            excess = cached - self._max_cached * 9 // 10
+            self.evict_cached(-(-excess // self._block_tokens), whole_pages_first=True)
 
     def _maybe_return_memory(self) -> None:
         over = self.backend.pages_over_limit()

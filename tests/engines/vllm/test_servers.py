@@ -45,28 +45,28 @@ def servers(tiny_model, workdir):
             s.stop()
 
 
-def _run_all(port: int, model: str, prompts, max_tokens: int):
+def _run_all(srv: h.Server, prompts, max_tokens: int):
     with ThreadPoolExecutor(len(prompts)) as ex:
-        return list(ex.map(lambda p: h.complete(port, model, p, max_tokens), prompts))
+        return list(ex.map(lambda p: h.complete(srv, p, max_tokens), prompts))
 
 
 def test_server_greedy_tokens_identical_to_vllm_without_kvcached(servers, native_run):
-    s1, model = servers["s1"], servers["model"]
-    got = _run_all(s1.port, model, h.prompts(12), h.MAX_TOKENS)
+    s1 = servers["s1"]
+    got = _run_all(s1, h.prompts(12), h.MAX_TOKENS)
     assert got == native_run["tokens1"]
 
 
 def test_capped_engine_preempts_and_completes_instead_of_crashing(servers, native_run):
-    s1, s2, model = servers["s1"], servers["s2"], servers["model"]
+    s1, s2 = servers["s1"], servers["s2"]
     r = h.kvctl("limit", s2.name, "1M")
     assert r.returncode == 0, r.stderr
     rec = h.read_record(s2.name)
     assert rec["limit"] == CAP
-    before = h.metrics(s2.port).get("vllm:num_preemptions_total", 0)
+    before = h.metrics(s2).get("vllm:num_preemptions_total", 0)
     with h.Sampler([s1.name, s2.name], workers=False) as sampler:
-        got = _run_all(s2.port, model, h.decode_prompts(), h.LONG_DECODE)
+        got = _run_all(s2, h.decode_prompts(), h.LONG_DECODE)
     assert got == native_run["tokensB"]  # every request completed, preempted or not, with the same tokens
-    preempted = h.metrics(s2.port).get("vllm:num_preemptions_total", 0) - before
+    preempted = h.metrics(s2).get("vllm:num_preemptions_total", 0) - before
     assert preempted > 0, "the capped engine never preempted: the cap did not bite"
     samples = [s for s in sampler.samples if s.get(s2.name)]
     assert len(samples) >= 5
@@ -76,12 +76,12 @@ def test_capped_engine_preempts_and_completes_instead_of_crashing(servers, nativ
 
 
 def test_two_loaded_engines_share_one_budget(servers, native_run):
-    s1, s2, model = servers["s1"], servers["s2"], servers["model"]
+    s1, s2 = servers["s1"], servers["s2"]
     assert h.kvctl("limit", s2.name, "4M").returncode == 0
     with h.Sampler([s1.name, s2.name], workers=False) as sampler:
         with ThreadPoolExecutor(2) as ex:
-            f1 = ex.submit(_run_all, s1.port, model, h.decode_prompts(), h.LONG_DECODE)
-            f2 = ex.submit(_run_all, s2.port, model, h.decode_prompts(), h.LONG_DECODE)
+            f1 = ex.submit(_run_all, s1, h.decode_prompts(), h.LONG_DECODE)
+            f2 = ex.submit(_run_all, s2, h.decode_prompts(), h.LONG_DECODE)
             got1, got2 = f1.result(), f2.result()
     assert got1 == got2 == native_run["tokensB"]
     both = [h.mapped(s[s1.name]) + h.mapped(s[s2.name]) for s in sampler.samples if s.get(s1.name) and s.get(s2.name)]
@@ -113,7 +113,7 @@ def test_kill9_leaves_nothing_behind_once_the_next_engine_starts(servers):
     h.wait_healthy(s3)
     assert h.read_record(s1.name) is None
     assert not os.path.exists(root)
-    assert h.complete(s3.port, model, h.prompts(1)[0]) == h.complete(servers["s2"].port, model, h.prompts(1)[0])
+    assert h.complete(s3, h.prompts(1)[0], h.MAX_TOKENS) == h.complete(servers["s2"], h.prompts(1)[0], h.MAX_TOKENS)
 
 
 def test_stopping_servers_leaves_no_record_and_no_socket(servers):

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+# Server helpers shared with the main job and the benchmark (re-exported here).
+from kvcached.testing.vllm_server import Server, complete, metrics, start_server, wait_healthy  # noqa: F401
 
 PAGE = 128 << 10
 LAYERS = 2
@@ -35,12 +33,9 @@ BIN = os.path.dirname(sys.executable)
 
 def prompts(n: int, length: int = 200, seed: int = 1) -> List[List[int]]:
     """``n`` distinct token-id prompts (BOS + ``length`` ids), no shared prefix."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        ids = [1, 7 + (i % 500)] + [rng.randrange(7, 512) for _ in range(length - 1)]
-        out.append(ids)
-    return out
+    from kvcached.testing.vllm_server import token_prompts
+
+    return token_prompts(n, length, seed)
 
 
 LONG_DECODE = 100  # tokens generated per request of decode_prompts()
@@ -53,23 +48,15 @@ def decode_prompts(n: int = 8) -> List[List[int]]:
 
 
 def engine_env(kvcached: bool, name: Optional[str] = None, **extra: str) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ENABLE_KVCACHED", "KVCACHED_", "VLLM_"))}
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        PYTHONUNBUFFERED="1",
-    )
+    from kvcached.testing.vllm_server import engine_env as base
+
+    env = base(kvcached, name)
     if kvcached:
         env.update(
-            ENABLE_KVCACHED="true",
             KVCACHED_PAGE_SIZE=str(PAGE),
             KVCACHED_MIN_RESERVED_PAGES="0",
             KVCACHED_MAX_RESERVED_PAGES=str(MAX_RESERVED_PAGES),
         )
-        if name:
-            env["KVCACHED_IPC_NAME"] = name
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -180,118 +167,6 @@ class Sampler:
 
 def mapped(rec: Optional[dict]) -> int:
     return 0 if rec is None else rec["used"] + rec["prealloc"]
-
-
-# ------------------------------------------------------------------ servers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    name: str
-    port: int
-    proc: subprocess.Popen
-    log_path: str
-
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def kill9(self, timeout: float = 30) -> None:
-        """SIGKILL to every process of the engine (API server, EngineCore, worker)."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:  # the others die (and are reaped) asynchronously
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"processes of {self.name} survived SIGKILL")
-
-    def stop(self, timeout: float = 60) -> None:
-        """SIGTERM to the API server, as an operator stops it; vLLM stops the rest."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left behind
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(30)
-
-
-def start_server(model: str, name: str, env: Dict[str, str], log_dir: str, *extra_args: str) -> Server:
-    port = free_port()
-    log_path = os.path.join(log_dir, f"{name}.log")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--port", str(port), "--host", "127.0.0.1",
-        "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
-        "--enforce-eager", "--seed", "0", *extra_args,
-    ]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=log_dir)
-    log.close()
-    return Server(name, port, proc, log_path)
-
-
-def wait_healthy(srv: Server, timeout: float = 420) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if srv.proc.poll() is not None:
-            raise RuntimeError(f"server {srv.name} exited with {srv.proc.returncode}:\n{srv.log_tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server {srv.name} not healthy after {timeout} s:\n{srv.log_tail()}")
-
-
-def complete(port: int, model: str, prompt_ids: List[int], max_tokens: int = MAX_TOKENS, timeout: float = 300) -> List[int]:
-    body = json.dumps({
-        "model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-        "return_token_ids": True, "ignore_eos": True,
-    }).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        out = json.loads(r.read())
-    return list(out["choices"][0]["token_ids"])
-
-
-def metrics(port: int) -> Dict[str, float]:
-    """Prometheus counters summed over labels: {'vllm:num_preemptions_total': ...}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: Dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
 
 
 def kvctl(*args: str) -> subprocess.CompletedProcess:

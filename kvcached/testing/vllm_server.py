@@ -1,0 +1,188 @@
+"""Starting and driving vLLM OpenAI servers on the tiny model (CPU), for the
+engine tests, the main job (scripts/main_job.py) and ``kvcached.bench vllm``.
+
+Everything here talks to a server over HTTP with the standard library; only
+the server processes import vLLM. ``vllm serve`` does not work with the CPU
+wheel's distribution name, so servers start as
+``python -m vllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def token_prompts(n: int, length: int = 200, seed: int = 1) -> List[List[int]]:
+    """``n`` distinct prompts of BOS + ``length`` token ids (no shared prefix)."""
+    rng = random.Random(seed)
+    return [[1, 7 + (i % 500)] + [rng.randrange(7, 512) for _ in range(length - 1)] for i in range(n)]
+
+
+def engine_env(kvcached: bool, name: Optional[str] = None, **extra: object) -> Dict[str, str]:
+    """This process's environment without any kvcached/vLLM settings, plus the
+    offline switches, kvcached on or off, and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ENABLE_KVCACHED", "KVCACHED_", "VLLM_"))}
+    env.update(OFFLINE_ENV)
+    if kvcached:
+        env["ENABLE_KVCACHED"] = "true"
+        if name:
+            env["KVCACHED_IPC_NAME"] = name
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One API server process group (API server, EngineCore, worker)."""
+
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log_path: str
+    model: str
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill9(self, timeout: float = 30) -> None:
+        """SIGKILL to every process of the engine; returns when all are gone."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # the others die (and are reaped) asynchronously
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"processes of {self.name} survived SIGKILL")
+
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM to the API server, as an operator stops it; vLLM stops the rest."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left behind
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(30)
+
+
+def start_server(model: str, name: str, env: Dict[str, str], log_dir: str, *extra_args: str,
+                 max_num_seqs: int = 8, python: str = sys.executable) -> Server:
+    """Starts a server in its own process group (so it can be killed as a whole)."""
+    port = free_port()
+    log_path = os.path.join(log_dir, f"{name}.log")
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--port", str(port), "--host", "127.0.0.1",
+        "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(max_num_seqs),
+        "--enforce-eager", "--seed", "0", *extra_args,
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=log_dir)
+    return Server(name, port, proc, log_path, model)
+
+
+def wait_healthy(srv: Server, timeout: float = 480) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if srv.proc.poll() is not None:
+            raise RuntimeError(f"server {srv.name} exited with {srv.proc.returncode}:\n{srv.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server {srv.name} not healthy after {timeout} s:\n{srv.log_tail()}")
+
+
+def _post(port: int, body: dict, timeout: float) -> urllib.request.Request:
+    return urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+
+
+def complete(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float = 300) -> List[int]:
+    """Greedy completion of ``max_tokens`` tokens (EOS ignored); the output token ids."""
+    body = {"model": srv.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+    with urllib.request.urlopen(_post(srv.port, body, timeout), timeout=timeout) as r:
+        out = json.loads(r.read())
+    return list(out["choices"][0]["token_ids"])
+
+
+def stream(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float = 300) -> Tuple[float, float, int]:
+    """Streams a greedy completion: (time to first token, total time, output tokens)."""
+    body = {"model": srv.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    t0 = time.perf_counter()
+    ttft = None
+    n = 0
+    with urllib.request.urlopen(_post(srv.port, body, timeout), timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for c in chunk.get("choices", ()):
+                got = len(c.get("token_ids") or ()) or (1 if c.get("text") else 0)
+                if got and ttft is None:
+                    ttft = time.perf_counter() - t0
+                n += got
+    total = time.perf_counter() - t0
+    return (ttft if ttft is not None else total), total, n
+
+
+def metrics(srv: Server) -> Dict[str, float]:
+    """Prometheus samples summed over labels: {'vllm:num_preemptions_total': ...}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        try:
+            out[name_labels.split("{", 1)[0]] = out.get(name_labels.split("{", 1)[0], 0.0) + float(value)
+        except ValueError:
+            continue
+    return out

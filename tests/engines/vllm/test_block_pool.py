@@ -1,0 +1,161 @@
+"""ElasticBlockPool's BlockPool contract, with vLLM's own classes and the real
+kvcached path (manager -> IPC coordinator -> worker listener -> FTensor), all
+in this process: no engine start, so every branch is cheap to reach.
+
+The KV buffer is laid out as vLLM lays it out (LBHNC, 2 layers, 64 blocks of
+8 KiB per layer); pages are 64 KiB, so 8 blocks per page and one logical page
+maps 2 physical pages (one per layer)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+P = 64 << 10
+N_BLOCKS = 64
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from kvcached.integration.vllm import engine_core
+    from kvcached.integration.vllm.block_pool import ElasticBlockPool
+    from kvcached.integration.vllm.kv_layout import KVLayoutPlan
+    from kvcached.integration.vllm.worker_tensors import WorkerKV
+
+    name = f"kvt_pool_{os.getpid()}"
+    for k, v in dict(KVCACHED_IPC_NAME=name, KVCACHED_PAGE_SIZE=str(P), KVCACHED_MIN_RESERVED_PAGES="0",
+                     KVCACHED_MAX_RESERVED_PAGES="0", KVCACHED_HOST_MEMORY_BUDGET="64M",
+                     KVCACHED_MAX_CACHED_TOKENS="64").items():
+        monkeypatch.setenv(k, v)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    B = spec.page_size_bytes
+    kvc = KVCacheConfig(
+        num_blocks=N_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=2 * N_BLOCKS * B, layers=["l0", "l1"], layer_stride=N_BLOCKS * B,
+                                        block_stride=B)],
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)],
+    )
+    worker = WorkerKV.start(KVLayoutPlan.from_kv_cache_config(kvc, P), "cpu", 0, 0, name)
+    vc = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                                        data_parallel_rank=0),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+        device_config=SimpleNamespace(device=torch.device("cpu")),
+        kv_transfer_config=None,
+    )
+    engine_core._ctx.value = engine_core.PoolContext(vc, kvc)
+    p = ElasticBlockPool(num_gpu_blocks=N_BLOCKS, enable_caching=True, hash_block_size=16,
+                         enable_kv_cache_events=True)
+    p.worker = worker
+    yield p
+    p.close()
+    worker.close()
+    WorkerKV.current = None
+
+
+def _hash(pool, blk, tag: bytes) -> None:
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(tag), 0), blk, num_tokens=16)
+
+
+def _mapped(pool) -> list:
+    return pool.worker.executor.mapped_logical_pages()
+
+
+def test_without_context_the_coordinator_gets_a_native_pool():
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvcached.integration.vllm.block_pool import ElasticBlockPool
+
+    p = ElasticBlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    assert type(p) is BlockPool and p.get_num_free_blocks() == 7
+
+
+def test_blocks_come_from_mapped_pages_and_return_their_memory(pool):
+    assert pool.null_block is pool.blocks[0] and pool.null_block.is_null
+    assert pool.get_num_free_blocks() == N_BLOCKS - 1 and _mapped(pool) == [0]  # the null block's page
+    got = pool.get_new_blocks(10)
+    ids = [b.block_id for b in got]
+    assert len(set(ids)) == 10 and 0 not in ids and all(b.ref_cnt == 1 for b in got)
+    pages = sorted({i // 8 for i in ids} | {0})
+    assert _mapped(pool) == pages  # the worker maps exactly the pages holding live blocks
+    assert pool.get_num_free_blocks() == N_BLOCKS - 11
+    assert 0 < pool.get_usage() < 1
+    pool.free_blocks(reversed(got))  # unhashed: straight back to the ledger
+    assert all(b.ref_cnt == 0 for b in got)
+    assert _mapped(pool) == [0] and pool.get_num_free_blocks() == N_BLOCKS - 1 and pool.get_usage() == 0
+
+
+def test_cached_blocks_stay_mapped_count_as_free_and_are_hit_by_touch(pool):
+    got = pool.get_new_blocks(3)
+    for i, b in enumerate(got):
+        _hash(pool, b, b"h%d" % i)
+    pool.free_blocks(got)
+    assert pool.free_block_queue.num_free_blocks == 3  # evictable, data kept
+    assert pool.get_num_free_blocks() == N_BLOCKS - 1
+    assert {b.block_id // 8 for b in got} <= set(_mapped(pool))
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    hit = pool.get_cached_block(BlockHash(b"h1"), [0])
+    assert hit == [got[1]]
+    pool.touch(hit)  # a prefix hit takes it off the evictable queue
+    assert got[1].ref_cnt == 1 and pool.free_block_queue.num_free_blocks == 2
+    pool.free_blocks(hit)
+    assert pool.reset_prefix_cache() is True
+    assert pool.free_block_queue.num_free_blocks == 0 and all(b.block_hash is None for b in got)
+    assert _mapped(pool) == [0]
+    assert any(type(e).__name__ == "AllBlocksCleared" for e in pool.take_events())
+
+
+def test_bounded_cache_evicts_whole_pages_first(pool):
+    # KVCACHED_MAX_CACHED_TOKENS=64: 4 cached blocks of 16 tokens at most.
+    a = pool.get_new_blocks(8)  # fills one page (8 blocks)
+    b = pool.get_new_blocks(4)
+    for i, blk in enumerate(a + b):
+        _hash(pool, blk, b"c%d" % i)
+    pool.free_blocks(a[:4])  # oldest, on a page that keeps 4 live blocks
+    pool.free_blocks(b)
+    pool.free_blocks(a[4:])  # now page of `a` is all evictable: it goes first, whole
+    assert pool.free_block_queue.num_free_blocks * 16 <= 64
+    kept = {blk.block_id for blk in pool.free_block_queue.get_all_free_blocks()}
+    assert kept <= {blk.block_id for blk in b}, "a scattered victim was chosen over a whole page"
+    assert a[0].block_id // 8 not in _mapped(pool)  # its memory went back
+    assert any(type(e).__name__ == "BlockRemoved" for e in pool.take_events())
+
+
+def test_a_lowered_limit_shows_as_fewer_free_blocks_and_returns_cached_pages(pool):
+    from kvcached.control import set_instance_memory_limit
+
+    got = pool.get_new_blocks(8)
+    for i, blk in enumerate(got):
+        _hash(pool, blk, b"l%d" % i)
+    pool.free_blocks(got)
+    name = pool.backend.name
+    r = set_instance_memory_limit(2 * P * 2, name=name)  # 2 logical pages of 2 x 64 KiB
+    assert r in ("applied", "deferred"), r.message
+    # Counting returns the whole-page cache over the limit; what is left fits.
+    pool._next_return_scan = 0.0
+    free = pool.get_num_free_blocks()
+    assert pool.free_block_queue.num_free_blocks == 0
+    assert _mapped(pool) == [0]
+    assert free <= 15  # page 0 (7 free) + one more page: the limit, not the virtual capacity
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(free + 1)
+
+
+def test_an_allocation_overtaken_by_another_process_raises_pool_shortage_and_leaks_nothing(pool, monkeypatch):
+    from kvcached.integration.vllm.block_pool import PoolShortage
+
+    before = (pool.get_num_free_blocks(), pool.num_in_use_blocks(), _mapped(pool))
+    monkeypatch.setattr(pool.manager, "alloc", lambda n: None)  # the memory vanished after the count
+    with pytest.raises(PoolShortage):
+        pool.get_new_blocks(4)
+    monkeypatch.undo()
+    assert (pool.get_num_free_blocks(), pool.num_in_use_blocks(), _mapped(pool)) == before
