@@ -97,7 +97,8 @@ def plot(rec: Recorder, phases: List[Tuple[str, float, float]], budget: int, out
         pairs = dict((round(p[0], 2), p[1]) for p in a)
         total = [(p[0], (p[1] + pairs.get(round(p[0], 2), 0)) / (1 << 20)) for p in b if round(p[0], 2) in pairs]
         if total:
-            ax.plot([x for x, _ in total], [y for _, y in total], color="gray", lw=1, ls=":", label="A + B")
+            ax.step([x for x, _ in total], [y for _, y in total], where="post", color="gray", lw=1, ls=":",
+                    label="A + B")
     ax.axhline(budget / (1 << 20), color="red", ls="--", lw=1, label=f"shared budget {format_size(budget)}")
     ax.axhline(budget / 2 / (1 << 20), color="red", ls=":", lw=1, alpha=0.5, label="a static half")
     for label, t0, t1 in phases:

@@ -38,9 +38,11 @@ def token_prompts(n: int, length: int = 200, seed: int = 1) -> List[List[int]]:
 
 
 def engine_env(kvcached: bool, name: Optional[str] = None, **extra: object) -> Dict[str, str]:
-    """This process's environment without any kvcached/vLLM settings, plus the
-    offline switches, kvcached on or off, and ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ENABLE_KVCACHED", "KVCACHED_", "VLLM_"))}
+    """This process's environment without any kvcached/vLLM settings or
+    PYTHONPATH (the engine imports what is installed), plus the offline
+    switches, kvcached on or off, and ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ENABLE_KVCACHED", "KVCACHED_", "VLLM_")) and k != "PYTHONPATH"}
     env.update(OFFLINE_ENV)
     if kvcached:
         env["ENABLE_KVCACHED"] = "true"
