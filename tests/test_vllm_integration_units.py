@@ -147,6 +147,22 @@ def test_supported_vllm_activates_and_names_the_instance(tmp_path):
     assert lines[2] == "skipped"
 
 
+def test_plugin_entry_point_warns_when_the_import_hook_is_missing(tmp_path):
+    path = _fake_vllm(tmp_path, "0.32.0")
+    code = """
+        import vllm
+        from kvcached.integration.vllm import plugin
+        plugin.register()   # vLLM's plugin loader calls this in every process
+        print(sorted({r.status for r in plugin.manager().results.values()}))
+    """
+    out = _run(code, {"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "0"}, path)
+    assert out.returncode == 0, out.stderr
+    assert "ENABLE_KVCACHED is set but the interpreter-start hook is missing (KVCACHED_AUTOPATCH=0)" in out.stderr
+    assert out.stdout.strip() == "['pending']"  # patched from the entry point anyway (0.32: nothing skipped)
+    out = _run(code.replace("print(sorted", "print(len(plugin.manager().results), sorted"), {}, path)
+    assert out.returncode == 0 and out.stdout.startswith("0 "), out.stdout + out.stderr  # not enabled: nothing
+
+
 # ------------------------------------------------------------- patch manager
 
 
