@@ -4,9 +4,16 @@ without one."""
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from vmm_helpers import cuda_available
+# Tests read device memory from the driver (total - free). With lazy module
+# loading, the first launch of each torch kernel allocates device memory for
+# its code inside a measurement; load everything when the context starts.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import pytest  # noqa: E402
+
+from vmm_helpers import cuda_available  # noqa: E402
 
 MiB = 1 << 20
 

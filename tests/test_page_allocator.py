@@ -125,3 +125,19 @@ def test_python_mapper(pa_env, page_size):
     assert calls == [("map", [0, page_size]), ("unmap", [0, page_size])]
     with pytest.raises(Exception, match="cannot pre-map in the background"):
         pa.start_prealloc_thread()
+
+
+def test_failed_unmap_past_the_target_is_never_handed_out(pa_env, page_size):
+    # Found by the manager's state machine: a page past a shrunk target whose
+    # unmap failed went back to the reserve and was allocated again.
+    pa = _C.PageAllocator(2, PAGES * page_size, page_size, enable_prealloc=False, max_reserved=0)
+    (pid,) = pa.alloc_pages(1)
+    assert not pa.resize(0)
+    _C.inject_fault("unmap", 1)
+    pa.free_page(pid)  # the unmap fails and is rolled back: still mapped, unused
+    _C.clear_faults()
+    assert pa.get_num_mapped_pages() == 1 and pa.get_num_free_pages() == 0
+    with pytest.raises(OutOfMemoryError):
+        pa.alloc_page()
+    assert pa.trim() == 1  # retried and released
+    assert pa.get_num_mapped_pages() == 0 == _C.group_info()["mapped_pages"]

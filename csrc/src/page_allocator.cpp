@@ -181,11 +181,12 @@ void PageAllocator::unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::m
       quarantined_ += ids.size();
       throw;
     }
-    // Rolled back: the pages are still mapped and unused. Keep them in the
-    // reserve (past its max) so a later trim or alloc can use them.
+    // Rolled back: the pages are still mapped and unused. Within the target
+    // they join the reserve (past its max); past it they must never be handed
+    // out again, so they wait in stranded_ for the next trim or resize.
     for (int64_t id : ids) {
       state_[id] = State::Reserved;
-      reserved_.push_back(id);
+      (static_cast<size_t>(id) < target_pages_ ? reserved_ : stranded_).push_back(id);
     }
     return;
   }
@@ -200,10 +201,12 @@ size_t PageAllocator::trim() {
   std::unique_lock<std::mutex> lk(mu_);
   std::vector<int64_t> ids;
   ids.swap(reserved_);
+  ids.insert(ids.end(), stranded_.begin(), stranded_.end());
+  stranded_.clear();
   for (int64_t id : ids) state_[id] = State::Busy;
   size_t n = ids.size();
   if (n) unmap_busy(std::move(ids), lk);
-  return n - std::min(n, reserved_.size());
+  return n - std::min(n, reserved_.size() + stranded_.size());
 }
 
 bool PageAllocator::resize(size_t mem_size_per_layer) {
@@ -218,6 +221,8 @@ bool PageAllocator::resize(size_t mem_size_per_layer) {
   std::vector<int64_t> drop;
   std::vector<int64_t> keep;
   for (int64_t id : reserved_) (static_cast<size_t>(id) >= target ? drop : keep).push_back(id);
+  for (int64_t id : stranded_) (static_cast<size_t>(id) >= target ? drop : keep).push_back(id);
+  stranded_.clear();
   reserved_.swap(keep);
   for (int64_t id : drop) state_[id] = State::Busy;
   if (!drop.empty()) unmap_busy(std::move(drop), lk);
@@ -333,7 +338,7 @@ size_t PageAllocator::num_inuse_pages() const {
 }
 size_t PageAllocator::num_reserved_pages() const {
   std::lock_guard<std::mutex> g(mu_);
-  return reserved_.size();
+  return reserved_.size() + stranded_.size();
 }
 size_t PageAllocator::num_mapped_pages() const {
   std::lock_guard<std::mutex> g(mu_);

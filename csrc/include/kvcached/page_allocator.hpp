@@ -85,7 +85,7 @@ class PageAllocator {
   size_t num_total_pages() const;     // current target
   size_t num_free_pages() const;      // allocatable now: reserve (and pages being pre-mapped) + free within target and limit
   size_t num_inuse_pages() const;
-  size_t num_reserved_pages() const;
+  size_t num_reserved_pages() const;  // mapped and unused (reserve and stranded)
   size_t num_mapped_pages() const;    // reserved + in use + in flight
   size_t num_quarantined_pages() const;
   int64_t get_page_id(int64_t block_id, int64_t block_mem_size) const;
@@ -112,7 +112,8 @@ class PageAllocator {
   std::condition_variable cv_;
   std::vector<State> state_;
   std::set<int64_t> free_;          // ordered: low ids first, so the tail drains on shrink
-  std::vector<int64_t> reserved_;   // LIFO
+  std::vector<int64_t> reserved_;   // LIFO; only ids within the target
+  std::vector<int64_t> stranded_;   // mapped, unused, past the target: an unmap failed; retried by trim/resize
   size_t target_pages_ = 0;
   size_t free_in_target_ = 0;
   size_t inuse_ = 0;
