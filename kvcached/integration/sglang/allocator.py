@@ -146,7 +146,18 @@ class _ElasticAllocatorMixin:
 
 
 class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocator):
-    """TokenToKVPoolAllocator (page size 1) over a KVCacheManager: one block per token."""
+    """TokenToKVPoolAllocator (page size 1) over a KVCacheManager: one block per token.
+
+    At page size 1 every token is a manager block, and the manager's ledger
+    work per block (a few microseconds of Python) would add up at every decode
+    step. So, like SGLang's own allocator, freed slots first go to a local
+    device tensor (the *spare* list) that later allocations take from with a
+    tensor slice and no host sync. The manager still owns those slots (their
+    pages stay mapped); the spare list is bounded (the tokens of the mapped
+    reserve, at least 4 kvcached pages) and handed back to the manager, so
+    that emptied pages can be unmapped, when it overflows, when the scheduler
+    is idle, when a pool maps more than its limit, and on flush.
+    """
 
     def __new__(cls, *args: Any, **kwargs: Any):
         if not is_elastic_pool(_kvcache_arg(args, kwargs, 3)):
@@ -155,21 +166,54 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
 
     def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
         self._kvcached_bind(kvcache)
+        self._spare = torch.empty((0,), dtype=_INT64, device=device)
+        mgr = self._mgr
+        from kvcached import config as _config
+
+        tokens_per_page = max(1, mgr.page_size // mgr.block_mem_size)
+        self._spare_cap = tokens_per_page * max(4, _config.max_reserved_pages())
         super().__init__(size, dtype, device, kvcache, need_sort)  # calls clear()
+        self.kvcached_group.drains.append(self.drain_spare)
 
     def clear(self) -> None:
-        # Flush (and construction): every slot back, pages retired until the
+        # Flush (and construction): every slot back (the spare ones too: the
+        # manager still counts them as handed out), pages retired until the
         # scheduler releases them.
         self._mgr.clear()
+        self._spare = self._spare[:0]
         self.free_group = None
         self.free_pages = None
         self.release_pages = None
 
+    def drain_spare(self) -> int:
+        """Hands every spare slot back to the manager; returns how many (syncs the device)."""
+        n = self._spare.numel()
+        if n:
+            ids = self._spare.tolist()
+            self._spare = self._spare[:0]
+            self._mgr.free(ids)
+        return n
+
+    def available_size(self) -> int:
+        return super().available_size() + self._spare.numel()
+
+    def physical_available_size(self) -> int:
+        return super().physical_available_size() + self._spare.numel()
+
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         if need_size <= 0:
             return torch.empty((0,), dtype=_INT64, device=self.device)
-        ids = self._mgr.alloc(need_size)
-        return None if ids is None else self._ids_tensor(ids)
+        spare = self._spare
+        k = spare.numel()
+        if need_size <= k:
+            self._spare = spare[need_size:]
+            return spare[:need_size]
+        ids = self._mgr.alloc(need_size - k)
+        if ids is None:
+            return None
+        self._spare = spare[:0]
+        fresh = self._ids_tensor(ids)
+        return torch.cat((spare, fresh)) if k else fresh
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
@@ -177,7 +221,13 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         if self.free_group is not None:
             self.free_group.append(self._copy_for_free_group(free_index))
             return
-        self._mgr.free(free_index.tolist())
+        spare = torch.cat((self._spare, free_index.to(_INT64)))
+        over = spare.numel() - self._spare_cap
+        if over > 0:
+            # The oldest go back to the manager (their pages may empty).
+            self._mgr.free(spare[:over].tolist())
+            spare = spare[over:]
+        self._spare = spare
 
 
 class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):

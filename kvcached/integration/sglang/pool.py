@@ -32,7 +32,8 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from kvcached import _C
 from kvcached.integration import runtime
@@ -61,6 +62,11 @@ class ElasticGroup:
     pool_class: str = ""
     released_pages: int = 0
     data_ptrs: Tuple[int, ...] = field(default_factory=tuple)
+    # Allocators that keep freed slots locally (page size 1): drained before
+    # pages are released at idle or when over the limit.
+    drains: List[Callable[[], int]] = field(default_factory=list)
+    # Release markers whose batches have finished, with when (scheduler_hooks).
+    safe_markers: Deque[Tuple[int, float]] = field(default_factory=deque)
 
     @property
     def holes(self) -> int:
@@ -72,6 +78,10 @@ class ElasticGroup:
         n = self.manager.release_retired_pages_through(marker)
         self.released_pages += n
         return n
+
+    def drain(self) -> int:
+        """Hands slots the allocators keep locally back to the manager."""
+        return sum(d() for d in self.drains)
 
     def release_all_retired(self) -> int:
         """Releases every emptied page (only when no batch can read them)."""

@@ -11,9 +11,14 @@ only retired (they stay mapped and reusable), and released as follows:
   its result: it covers every page emptied before the launch;
 * when that result has been processed, the batch and every earlier one have
   finished (results are processed in launch order, after their device work),
-  so the pages retired before the marker cannot be read any more: release them;
-* when the scheduler is idle (nothing in flight) and after ``flush_cache``,
-  everything retired is released.
+  so the pages retired before the marker cannot be read any more: they may be
+  released;
+* while serving, they are released once that has been true for
+  ``RELEASE_GRACE_S``: a growing decode batch or the next requests usually
+  take them back first, and mapping a page again costs far more than keeping
+  it for a moment (the device's other instances wait at most that long);
+* when the scheduler is idle (nothing in flight), after ``flush_cache`` and
+  while a pool maps more than its limit, everything safe is released at once.
 
 The same order holds for the non-overlap loop (launch, then process).
 
@@ -34,7 +39,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvcached.integration.sglang.pool import ElasticGroup, elastic_groups
 
@@ -42,6 +47,9 @@ logger = logging.getLogger("kvcached.integration.sglang")
 
 ENV_MAX_CACHED_TOKENS = "KVCACHED_MAX_CACHED_TOKENS"
 _MARKERS = "_kvcached_release_markers"
+# How long emptied pages stay mapped (and reusable) after no batch can read
+# them any more, while the scheduler is busy.
+RELEASE_GRACE_S = 1.0
 
 # Counters for kvcached_report (this process).
 _stats: Dict[str, int] = {"batches": 0, "idle_turns": 0, "cache_bound_evicted_tokens": 0, "limit_evicted_tokens": 0,
@@ -62,9 +70,9 @@ def max_cached_tokens() -> Optional[int]:
     return n
 
 
-def after_launch(result: Any) -> None:
+def after_launch(result: Any, groups: Optional[List[ElasticGroup]] = None) -> None:
     """Stores on ``result`` one release marker per pool (pages emptied before this launch)."""
-    groups = elastic_groups()
+    groups = elastic_groups() if groups is None else groups
     if not groups or result is None:
         return
     markers = tuple((g, g.manager.capture_physical_release_marker()) for g in groups)
@@ -75,11 +83,22 @@ def after_result(scheduler: Any, result: Any) -> None:
     """The batch of ``result`` and all earlier ones have finished: release, then bound the cache."""
     _stats["batches"] += 1
     markers: Tuple[Tuple[ElasticGroup, int], ...] = getattr(result, _MARKERS, ()) if result is not None else ()
+    now = time.monotonic()
     for g, m in markers:
-        g.release_retired(m)
+        g.safe_markers.append((m, now))
+        release_safe(g, now - RELEASE_GRACE_S)
     tree = getattr(scheduler, "tree_cache", None)
     bound_prefix_cache(tree)
     shrink_to_limits(tree)
+
+
+def release_safe(g: ElasticGroup, finished_by: float = float("inf")) -> int:
+    """Releases the pages retired before the newest marker whose batch finished by ``finished_by``."""
+    q = g.safe_markers
+    last = None
+    while q and q[0][1] <= finished_by:
+        last = q.popleft()[0]
+    return g.release_retired(last) if last is not None else 0
 
 
 def nothing_in_flight(scheduler: Any) -> bool:
@@ -99,9 +118,12 @@ def after_flush(scheduler: Any, success: Any) -> None:
         release_all()
 
 
-def release_all() -> int:
+def release_all(groups: Optional[List[ElasticGroup]] = None) -> int:
+    """Nothing in flight: spare slots back to the managers, every emptied page released."""
     n = 0
-    for g in elastic_groups():
+    for g in elastic_groups() if groups is None else groups:
+        g.drain()
+        g.safe_markers.clear()
         n += g.release_all_retired()
     return n
 
@@ -141,7 +163,11 @@ def shrink_to_limits(tree_cache: Any) -> int:
             continue
         limit = int(lim.limit)
         mapped = g.manager.page_allocator.get_num_mapped_pages() * g.manager.bytes_per_page
-        if limit < 0 or mapped <= limit or tree_cache.evictable_size() <= 0:
+        if limit < 0 or mapped <= limit:
+            continue
+        g.drain()  # spare slots may be all that keeps some pages
+        release_safe(g)  # no grace period over the limit
+        if tree_cache.evictable_size() <= 0:
             continue
         if _live_page_bytes(g) <= limit:
             continue  # only emptied pages or the reserve are over: released/trimmed without evicting
