@@ -246,7 +246,7 @@ def test_stop_drains_a_running_call(served) -> None:
     t = threading.Thread(target=lambda: _catch(errors, coord.map, [PAGE]))
     t0 = time.monotonic()
     t.start()
-    time.sleep(0.15)
+    _wait_until_worker_runs(Cmd.MAP)
     assert lst.stop(5.0) is True
     t.join()
     assert time.monotonic() - t0 >= 0.5
@@ -261,13 +261,21 @@ def test_stop_keeps_the_socket_while_a_call_outlasts_it(served) -> None:
     errors = []
     t = threading.Thread(target=lambda: _catch(errors, coord.map, [PAGE]))
     t.start()
-    time.sleep(0.15)
+    _wait_until_worker_runs(Cmd.MAP)
     assert lst.stop(0.2) is False
     assert os.path.exists(lst.path)
     t.join()
     assert errors == []
     assert lst.stop(5.0) is True
     assert not os.path.exists(lst.path)
+
+
+def _wait_until_worker_runs(cmd: int, timeout: float = 10.0) -> None:
+    """Waits until the worker has taken the request (a fixed sleep races a loaded machine)."""
+    end = time.monotonic() + timeout
+    while faults.seen(cmd) < 1:
+        assert time.monotonic() < end, "the request never reached the worker"
+        time.sleep(0.005)
 
 
 def _catch(errors, fn, *args) -> None:

@@ -94,6 +94,12 @@ def clear() -> None:
         _counts.clear()
 
 
+def seen(cmd: int) -> int:
+    """How many requests of ``cmd`` reached a worker since the rules were armed."""
+    with _lock:
+        return _counts.get(cmd, 0)
+
+
 def take(cmd: int) -> Optional[Action]:
     """Counts one request of ``cmd``; returns the action when this one is hit."""
     if not _rules:
