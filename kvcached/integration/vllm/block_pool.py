@@ -47,6 +47,11 @@ ENV_MAX_CACHED_TOKENS = "KVCACHED_MAX_CACHED_TOKENS"
 # How often (at most) the pool looks for cached pages to give back while the
 # instance maps more than its limit: a scan walks the evictable queue.
 _RETURN_SCAN_INTERVAL_S = 0.1
+# How long the manager's allocatable count is reused (see get_num_free_blocks):
+# long while plenty is left, short when few blocks are.
+_FREE_COUNT_TTL_S = 0.1
+_FREE_COUNT_TTL_LOW_S = 0.002
+_LOW_PAGES = 8
 
 
 class PoolShortage(Exception):
@@ -104,12 +109,27 @@ class ElasticBlockPool(BlockPool):
         self._max_cached = max_cached_tokens()
         self._block_tokens = max(1, int(getattr(self.backend.plan, "block_tokens", 1)))
         self._next_return_scan = 0.0
+        self._avail = 0
+        self._avail_until = 0.0  # perf_counter() until which _avail may be reused
+        self._low_blocks = _LOW_PAGES * self.manager.geometry.max_blocks_per_page
 
     # ------------------------------------------------------------ capacity
 
     def get_num_free_blocks(self) -> int:
-        self._maybe_return_memory()
-        return self.manager.available_size() + self.free_block_queue.num_free_blocks
+        # vLLM asks once per running request per step, plus stats. The
+        # manager's answer (which reads the device budget of every instance)
+        # is kept and moved by this pool's own allocations and frees; what
+        # other processes or a new limit change is picked up when it is
+        # refreshed: every _FREE_COUNT_TTL_S, or _FREE_COUNT_TTL_LOW_S when
+        # few blocks are left, where a stale count would matter. A count that
+        # was too high ends as PoolShortage -> None, never a crash.
+        now = time.perf_counter()
+        if now >= self._avail_until:
+            self._maybe_return_memory()
+            self._avail = self.manager.available_size()
+            low = self._avail < self._low_blocks
+            self._avail_until = now + (_FREE_COUNT_TTL_LOW_S if low else _FREE_COUNT_TTL_S)
+        return self._avail + self.free_block_queue.num_free_blocks
 
     def num_in_use_blocks(self) -> int:
         """Blocks some request references (null excluded)."""
@@ -131,22 +151,26 @@ class ElasticBlockPool(BlockPool):
         if num_blocks <= 0:
             return []
         ids: List[int] = []
-        want = min(num_blocks, self.manager.available_size())
-        for _ in range(2):  # a fresh snapshot once if the first one was overtaken
+        want = min(num_blocks, max(0, self._avail))  # the count just checked above
+        for _ in range(2):  # once more with the manager's fresh count if it was overtaken
             if want <= 0:
                 break
             got = self.manager.alloc(want)
             if got is not None:
                 ids = got
                 break
-            want = min(want, self.manager.available_size())
+            self._avail = self.manager.available_size()
+            self._avail_until = time.perf_counter() + _FREE_COUNT_TTL_LOW_S
+            want = min(want, self._avail)
         self._n_out += len(ids)
+        self._avail -= len(ids)
         ret = [self.blocks[i] for i in ids]
         rest = num_blocks - len(ret)
         if rest:
             q = self.free_block_queue
             if rest > q.num_free_blocks:
                 self._give_back(ids)
+                self._avail_until = 0.0  # the count was stale: ask the manager next time
                 raise PoolShortage(
                     f"{num_blocks} blocks were free when counted but only {len(ret) + q.num_free_blocks} "
                     "can be had now (another instance took the memory, or the limit was lowered)"
@@ -228,6 +252,7 @@ class ElasticBlockPool(BlockPool):
             return
         self.manager.free(ids)
         self._n_out -= len(ids)
+        self._avail += len(ids)
         self.backend.after_free()
 
     def _bound_cache(self) -> None:

@@ -428,7 +428,7 @@ def patch_kv_cache_manager_module(module: ModuleType) -> None:
             return orig(self, request, *args, **kwargs)
         managers = self.coordinator.single_type_managers
         rid = request.request_id
-        snap = [_snapshot(m, rid) for m in managers]
+        snap = [_snapshot(m, rid) for m in managers]  # a few dict lookups: cheap enough per call
         try:
             return orig(self, request, *args, **kwargs)
         except PoolShortage as e:
