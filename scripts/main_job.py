@@ -130,6 +130,11 @@ def main(argv: List[str] = None) -> int:
     model = build_tiny_llama(os.path.join(work, "tiny_llama"))
     tag = os.getpid()
     names = {f"main_A_{tag}": "A", f"main_B_{tag}": "B"}
+    from kvcached.limits.records import list_records
+
+    others = [r.name for r in list_records() if r.alive and r.device == "cpu"]
+    if others:
+        log(f"note: {len(others)} other kvcached instance(s) on this host share the budget: {', '.join(others)}")
     servers: List[vs.Server] = []
     try:
         for i, (name, label) in enumerate(names.items()):
