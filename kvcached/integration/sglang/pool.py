@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import threading
-import weakref
 from dataclasses import dataclass, field
 from collections import deque
 from typing import Any, Callable, Deque, List, Optional, Tuple
@@ -90,7 +89,6 @@ class ElasticGroup:
 
 _lock = threading.RLock()
 _groups: List[ElasticGroup] = []
-_pools: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
 def elastic_groups() -> List[ElasticGroup]:
@@ -116,7 +114,6 @@ def shutdown_all() -> None:
         for g in _groups:
             g.manager.shutdown()  # removes the pool's record
         _groups.clear()
-        _pools.clear()
     interfaces.shutdown_kvcached()
 
 
@@ -232,7 +229,6 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
             data_ptrs=tuple(t.data_ptr() for t in k_views + v_views),
         )
         _groups.append(grp)
-        _pools[gid] = pool
     virt = mgr.geometry.num_pages * mgr.bytes_per_page
     from kvcached.integration.sglang.plugin import activated_by
 

@@ -23,6 +23,8 @@ if not _have_sglang and os.environ.get("KVCACHED_REQUIRE_SGLANG") != "1":
 def pytest_configure(config) -> None:
     if os.environ.get("KVCACHED_REQUIRE_SGLANG") == "1" and not _have_sglang:
         raise pytest.UsageError("KVCACHED_REQUIRE_SGLANG=1 but sglang is not importable in this interpreter")
+    if not _have_sglang:
+        return  # this folder is skipped; leave the session's sys.path alone (no stub `vllm` for others)
     # SGLang on device="cpu" imports vllm._custom_ops.rotary_embedding (never calls it);
     # the test-only stub provides it, here and in every process the tests start.
     pp = os.environ.get("PYTHONPATH", "")
