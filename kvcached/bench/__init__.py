@@ -9,5 +9,6 @@ BENCHMARKS = {
     "manager": "KVCacheManager alloc/free rate vs vLLM's native BlockPool",
     "ipc": "map fan-out round trip to worker processes",
     "attention": "GPU decode attention over elastic vs native KV per layout, and map throughput",
+    "sglang": "SGLang throughput and TTFT with and without kvcached, in one run",
     "vllm": "vLLM output tokens/s and TTFT with and without kvcached, in one run",
 }
