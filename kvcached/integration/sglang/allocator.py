@@ -105,9 +105,11 @@ class _ElasticAllocatorMixin:
     def _kvcached_bind(self, kvcache: Any) -> None:
         grp = getattr(kvcache, "kvcached_group", None)
         if grp is None:
+            # E.g. HybridLinearKVPool (Mamba/GDN hybrids): its full-attention
+            # leaf is elastic, but the composite's state pools are not.
             raise conflicts.refuse(
-                f"an elastic allocator needs an elastic KV pool, got {type(kvcache).__name__}",
-                "report this configuration (a pool class kvcached does not replace)")
+                f"the {type(kvcache).__name__} KV pool (a hybrid other than sliding-window attention) is not "
+                "supported by kvcached's SGLang integration", "use an MHA/GQA, MLA or sliding-window hybrid model")
         self.kvcached_group = grp
         self._mgr = grp.manager
         self._holes = grp.holes
