@@ -19,6 +19,9 @@ Each round measures, per server:
   ``--concurrency`` in flight, ``--output-len`` new tokens each (greedy, EOS
   ignored), streamed: output tokens per second of wall time, and the median
   time to first token inside that loaded batch;
+* CPU: user + system CPU time of the server's processes (API server,
+  EngineCore, worker) per output token in that batch: the overhead measure
+  least disturbed by other work on a shared machine;
 * TTFT: ``--ttft-requests`` single streamed requests, one after another.
 
 The table gives per mode the median over rounds, and kvcached / baseline as
@@ -57,24 +60,145 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=8, help="paired rounds (one batch + TTFT per server each)")
     ap.add_argument("--kv-page-size", default=None, help="KVCACHED_PAGE_SIZE of the kvcached server (default 2 MiB)")
     ap.add_argument("--keep-logs", default=None, help="keep the servers' logs (and the model) here")
+    ap.add_argument("--pool-only", action="store_true",
+                    help="only the in-process block-pool comparison (no engines; seconds)")
     ap.add_argument("--json", action="store_true")
     return ap
+
+
+def _cpu_seconds(pgid: int) -> float:
+    """user + system CPU time of every process in the server's process group
+    (API server, EngineCore, worker): less sensitive to a busy machine than
+    wall time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # pgrp
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / tick
 
 
 def _round(srv: Any, a: argparse.Namespace, seed: int) -> Dict[str, float]:
     from kvcached.testing.vllm_server import stream, token_prompts
 
     prompts = token_prompts(a.requests, a.input_len, seed)  # fresh prompts: no prefix-cache hits
+    cpu0 = _cpu_seconds(srv.proc.pid)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(a.concurrency) as ex:
         res = list(ex.map(lambda p: stream(srv, p, a.output_len), prompts))
     wall = time.perf_counter() - t0
+    cpu = _cpu_seconds(srv.proc.pid) - cpu0
+    tokens = sum(n for _, _, n in res)
     ttfts = [stream(srv, p, 4)[0] for p in token_prompts(a.ttft_requests, a.input_len, seed + 500_000)]
     return {
-        "tok_s": sum(n for _, _, n in res) / wall,
+        "tok_s": tokens / wall,
+        "cpu_ms_per_tok": 1000 * cpu / max(1, tokens),
         "loaded_ttft_ms": 1000 * statistics.median(t for t, _, _ in res),
         "ttft_ms": 1000 * statistics.median(ttfts),
     }
+
+
+def _pool_bench(steps: int, running: int) -> List[Dict[str, Any]]:
+    """The scheduler-side block pool alone, native vs kvcached, in this process.
+
+    Emulates the pool calls of ``steps`` scheduler steps with ``running``
+    requests of 2 blocks: per step every request asks ``get_num_free_blocks``
+    (as ``allocate_slots`` does), one request finishes (its blocks freed, the
+    first one prefix-cached) and a new one takes 2 blocks. kvcached runs its
+    real path: manager, device-budget record, execution fence, and the IPC
+    fan-out to a worker listener (in this process) mapping host pages.
+    """
+    import torch
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from kvcached.integration.vllm import engine_core
+    from kvcached.integration.vllm.block_pool import ElasticBlockPool
+    from kvcached.integration.vllm.kv_layout import KVLayoutPlan
+    from kvcached.integration.vllm.worker_tensors import WorkerKV
+
+    n_blocks = 512
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    B = spec.page_size_bytes
+    kvc = KVCacheConfig(num_blocks=n_blocks, kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)],
+                        kv_cache_tensors=[KVCacheTensor(size=2 * n_blocks * B, layers=["l0", "l1"],
+                                                        layer_stride=n_blocks * B, block_stride=B)])
+    vc = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                                        data_parallel_rank=0),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+        device_config=SimpleNamespace(device=torch.device("cpu")), kv_transfer_config=None)
+    name = f"bench_pool_{os.getpid()}"
+    os.environ.update(KVCACHED_IPC_NAME=name, KVCACHED_PAGE_SIZE=str(64 << 10))
+
+    def run(pool: Any, stepper: Any) -> float:
+        reqs = [pool.get_new_blocks(2) for _ in range(running)]
+        tag = 0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for _ in range(running):
+                pool.get_num_free_blocks()
+            done = reqs.pop(0)
+            tag += 1
+            pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(b"%d" % tag), 0), done[0], 16)
+            pool.free_blocks(reversed(done))
+            if pool.get_num_free_blocks() >= 2:
+                reqs.append(pool.get_new_blocks(2))
+            stepper.get_usage()
+        dt = (time.perf_counter() - t0) / steps
+        for r in reqs:
+            pool.free_blocks(reversed(r))
+        return dt
+
+    native_pool = BlockPool(num_gpu_blocks=n_blocks, enable_caching=True, hash_block_size=16)
+    worker = WorkerKV.start(KVLayoutPlan.from_kv_cache_config(kvc, 64 << 10), "cpu", 0, 0, name)
+    try:
+        engine_core._ctx.value = engine_core.PoolContext(vc, kvc)
+        pool = ElasticBlockPool(num_gpu_blocks=n_blocks, enable_caching=True, hash_block_size=16)
+        try:
+            sched = SimpleNamespace(schedule=lambda: None, update_from_output=lambda: None)
+            pool.backend.fence.wrap(sched)  # one schedule + update per step, as in an engine
+            stepped = _Stepped(pool, sched)
+            native_t, kv_t = [], []
+            for _ in range(5):  # alternate: drift on a shared machine hits both
+                native_t.append(run(native_pool, _Stepped(native_pool, None)))
+                kv_t.append(run(stepped, stepped))
+        finally:
+            pool.close()
+    finally:
+        worker.close()
+        WorkerKV.current = None
+    native, t = statistics.median(native_t), statistics.median(kv_t)
+    return [
+        {"mode": "baseline", "pool us/step": native * 1e6, "vs base": 1.0},
+        {"mode": "kvcached", "pool us/step": t * 1e6, "vs base": t / native},
+    ]
+
+
+class _Stepped:
+    """Pool calls inside the fenced schedule/update of one step per get_usage()."""
+
+    def __init__(self, pool: Any, sched: Any) -> None:
+        self._pool, self._sched = pool, sched
+
+    def get_usage(self) -> float:
+        if self._sched is not None:
+            self._sched.schedule()
+            self._sched.update_from_output()
+        return self._pool.get_usage()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
 
 
 def main(argv: List[str]) -> int:
@@ -85,6 +209,11 @@ def main(argv: List[str]) -> int:
         print("kvcached.bench vllm needs vLLM: run it with the vLLM venv's python "
               "(bash scripts/main.sh creates .venvs/vllm)", file=sys.stderr)
         return 2
+    pool_rows = _pool_bench(steps=2000, running=16)
+    if a.pool_only:
+        print_table(pool_rows, ["mode", "pool us/step", "vs base"], a.json,
+                    {"what": "block-pool calls of one scheduler step, 16 running requests (in process)"})
+        return 0
     from kvcached.testing import vllm_server as vs
 
     work = a.keep_logs or tempfile.mkdtemp(prefix="kvcached_bench_vllm_")
@@ -136,13 +265,15 @@ def main(argv: List[str]) -> int:
     for mode in MODES:
         row: Dict[str, Any] = {"mode": mode, "output tok/s": med(mode, "tok_s"), "TTFT ms": med(mode, "ttft_ms"),
                                "TTFT loaded ms": med(mode, "loaded_ttft_ms"),
+                               "CPU ms/token": med(mode, "cpu_ms_per_tok"),
                                "tok/s per round": " ".join(f"{x['tok_s']:.0f}" for x in runs[mode])}
         if mode == "baseline":
-            row["tok/s vs base"] = row["TTFT vs base"] = row["loaded TTFT vs base"] = 1.0
+            row["tok/s vs base"] = row["TTFT vs base"] = row["loaded TTFT vs base"] = row["CPU vs base"] = 1.0
         else:
             row["tok/s vs base"] = ratio("tok_s")
             row["TTFT vs base"] = ratio("ttft_ms")
             row["loaded TTFT vs base"] = ratio("loaded_ttft_ms")
+            row["CPU vs base"] = ratio("cpu_ms_per_tok")
         rows.append(row)
     meta = {
         "model": a.model or "tiny Llama (2 layers, 64 hidden, fp32; built here)",
@@ -154,8 +285,10 @@ def main(argv: List[str]) -> int:
         "ratios": "kvcached / baseline, median of the per-round ratios",
         "goal": "within 3% (tok/s vs base >= 0.97, TTFT vs base <= 1.03)",
     }
+    meta["pool us/step"] = " / ".join(f"{r['mode']} {r['pool us/step']:.1f}" for r in pool_rows) + (
+        " (block-pool calls of one scheduler step with 16 running requests, in process)")
     print_table(rows, ["mode", "output tok/s", "tok/s vs base", "TTFT ms", "TTFT vs base", "TTFT loaded ms",
-                       "loaded TTFT vs base", "tok/s per round"], a.json, meta)
+                       "loaded TTFT vs base", "CPU ms/token", "CPU vs base", "tok/s per round"], a.json, meta)
     return 0
 
 
