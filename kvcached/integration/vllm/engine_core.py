@@ -47,6 +47,9 @@ from kvcached.integration.patch_base import WRAPPED
 
 logger = logging.getLogger("vllm.kvcached")
 
+# How often an idle engine's watcher looks for memory to give back.
+_IDLE_WATCH_S = 0.5
+
 
 # ------------------------------------------------------------------ context
 
@@ -348,6 +351,59 @@ class ElasticBackend:
     def after_free(self) -> None:
         self.fence.after_free()
 
+    # ---- idle give-back ----------------------------------------------------
+    #
+    # A busy engine returns memory from its scheduling steps (the pool checks
+    # its limit whenever it counts free blocks). An idle one runs no step, yet
+    # its prefix cache may hold pages that a loaded peer needs, or a lowered
+    # limit may not be enforced yet. A thread watches for that and, when there
+    # is something to give back, queues the work on the EngineCore's own
+    # thread (vLLM's idle callbacks, woken with a WAKEUP request), where the
+    # pool may be touched.
+
+    def budget_pressed(self) -> bool:
+        """True when the shared device budget has less than a page left and
+        another live instance shares it (it may be waiting for memory)."""
+        budget = getattr(self.limits, "budget", None)
+        if budget is None:
+            return False
+        if not budget.members(exclude=self.limits.name):
+            return False
+        return budget.headroom() < self._bpp
+
+    def start_idle_watch(self, core: Any, pool: Any) -> None:
+        from vllm.v1.engine import EngineCoreRequestType
+
+        self._idle_stop = threading.Event()
+        self._idle_queued = False
+
+        def run_on_core(_core: Any) -> None:
+            self._idle_queued = False
+            if not self._closed:
+                pool.idle_return_memory(self.budget_pressed())
+
+        def watch() -> None:
+            while not self._idle_stop.wait(_IDLE_WATCH_S):
+                try:
+                    if self._closed or self._idle_queued or core.scheduler.has_requests():
+                        continue  # a busy engine gives memory back from its own steps
+                    has_cache = pool.free_block_queue.num_free_blocks > 0
+                    reserve = int(self.manager.page_allocator.get_num_reserved_pages()) > 0
+                    if not (has_cache or reserve):
+                        continue
+                    if self.pages_over_limit() <= 0 and not self.budget_pressed():
+                        continue
+                    self._idle_queued = True
+                    core._idle_state_callbacks.append(run_on_core)
+                    core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+                except Exception as e:  # keep watching; say it once
+                    if not getattr(self, "_idle_warned", False):
+                        self._idle_warned = True
+                        logger.warning("kvcached: idle memory watcher of %s: %s: %s", self.name, type(e).__name__, e)
+
+        self._idle_thread = threading.Thread(target=watch, name=f"kvcached-idle-{self.name}", daemon=True)
+        self._idle_thread.start()
+
     def pages_over_limit(self) -> int:
         """Pages mapped beyond the operator's limit (a lowered ``kvctl limit``)."""
         over = int(self.manager.page_allocator.get_num_mapped_pages()) * self._bpp - int(self.limits.limit)
@@ -361,6 +417,9 @@ class ElasticBackend:
             return
         self._closed = True
         self.fence.closed = True
+        stop = getattr(self, "_idle_stop", None)
+        if stop is not None:
+            stop.set()
         try:
             self.limits.close()
         finally:
@@ -406,6 +465,23 @@ def patch_scheduler_module(module: ModuleType) -> None:
     setattr(shutdown_wrapper, WRAPPED, shutdown)
     cls.__init__ = __init__
     cls.shutdown = shutdown_wrapper
+
+
+def patch_engine_core_module(module: ModuleType) -> None:
+    """EngineCore.__init__: start the idle watcher of a kvcached pool (only in
+    EngineCore processes: they have the input queue the watcher wakes)."""
+    cls = module.EngineCore
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        pool = _pool_of(getattr(self, "scheduler", None))
+        if pool is not None and hasattr(self, "input_queue") and hasattr(self, "_idle_state_callbacks"):
+            pool.backend.start_idle_watch(self, pool)
+
+    setattr(__init__, WRAPPED, init)
+    cls.__init__ = __init__
 
 
 def _pool_of(scheduler: Any) -> Any:

@@ -43,6 +43,12 @@ def _scheduler(module: ModuleType) -> None:
     engine_core.patch_scheduler_module(module)
 
 
+def _engine_core(module: ModuleType) -> None:
+    from kvcached.integration.vllm import engine_core
+
+    engine_core.patch_engine_core_module(module)
+
+
 def _allocate_slots(module: ModuleType) -> None:
     from kvcached.integration.vllm import engine_core
 
@@ -88,6 +94,13 @@ def all_patches() -> List[BasePatch]:
             V032_033,
             _scheduler,
             "hand the KV config to the pool, fence physical release by finished steps, close at shutdown",
+        ),
+        BasePatch(
+            "engine_core_idle_return",
+            "vllm.v1.engine.core",
+            V032_033,
+            _engine_core,
+            "an idle engine gives cached pages back to a short peer or a lowered limit (idle callbacks)",
         ),
         BasePatch(
             "allocate_slots_rollback",

@@ -5,6 +5,8 @@
   completes every request (same tokens), never maps past the limit;
 * together the two never map past the shared budget, also when both are loaded;
 * with a bounded prefix cache, an engine's memory falls back after the load;
+* an idle engine whose prefix cache holds most of the budget gives it back
+  to a loaded peer;
 * ``kill -9`` of an engine leaves a dead record and a stale socket directory,
   and both are gone once the next engine has started;
 * stopping a server (SIGTERM) leaves neither.
@@ -97,6 +99,28 @@ def test_bounded_prefix_cache_lets_memory_fall_back_after_load(servers):
     # load, on at most 2 pages, plus the null page and the reserve.
     assert rec["used"] <= 3 * h.BPP, rec
     assert rec["prealloc"] <= h.MAX_RESERVED_PAGES * h.BPP, rec
+
+
+def test_an_idle_engine_gives_its_cached_pages_to_a_loaded_peer(servers, native_run):
+    s1, s2 = servers["s1"], servers["s2"]
+    # S2 (unbounded prefix cache) keeps one cached block per request, each on
+    # its own page: it ends up holding most of the shared budget while idle.
+    _run_all(s2, h.prompts(12, seed=7), 8)
+    time.sleep(1.5)
+    held = h.mapped(h.read_record(s2.name))
+    assert held >= 8 * h.BPP, h.read_record(s2.name)
+    # S1 now needs more than what is left: S2 must give its idle cache back.
+    t0 = time.monotonic()
+    with h.Sampler([s1.name, s2.name], workers=False) as sampler:
+        got = _run_all(s1, h.decode_prompts(), h.LONG_DECODE)
+    assert got == native_run["tokensB"]
+    assert time.monotonic() - t0 < 120
+    after = h.mapped(h.read_record(s2.name))
+    assert after < held, (held, after)
+    peak1 = max(h.mapped(s[s1.name]) for s in sampler.samples if s.get(s1.name))
+    assert peak1 > BUDGET - held, "S1 never needed S2's memory: the test did not test anything"
+    assert all(h.mapped(s[s1.name]) + h.mapped(s[s2.name]) <= BUDGET
+               for s in sampler.samples if s.get(s1.name) and s.get(s2.name))
 
 
 def test_kill9_leaves_nothing_behind_once_the_next_engine_starts(servers):
