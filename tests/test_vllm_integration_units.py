@@ -223,7 +223,8 @@ def test_vllm_patch_table_covers_every_seam():
 
     names = {p.name: p for p in versions.all_patches()}
     for needed in ("elastic_block_pool", "scheduler_lifecycle", "allocate_slots_rollback", "worker_allocate_kv_cache",
-                   "cpu_worker_capacity", "gpu_worker_capacity", "cpu_worker_startup_check_0_32"):
+                   "cpu_worker_capacity", "gpu_worker_capacity", "cpu_worker_startup_check_0_32",
+                   "engine_core_idle_return"):
         assert needed in names
     for mod in versions.ALLOCATE_KV_CACHE_IMPORTERS:
         assert f"allocate_kv_cache_by_name:{mod}" in names
