@@ -2,7 +2,7 @@
 # Sets up a fresh environment and runs the whole test suite (host backend;
 # GPU tests skip cleanly without a GPU), then the real-engine tests
 # (scripts/test_engines.sh: vLLM, scripts/test_engines_sglang.sh: SGLang;
-# KVCACHED_ENGINE_TESTS=1 adds them; CI runs the main suite until a full engine CI run is verified).
+# KVCACHED_ENGINE_TESTS=0 skips them).
 # Usage: bash scripts/test.sh [pytest args for the main suite]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,8 +11,8 @@ bash scripts/setup_env.sh "$VENV"
 echo "[test] running pytest"
 # Run from tests/ so the installed package, not the source tree, is imported.
 (cd tests && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" .)
-# Then the real engines, each in its own venv (opt-in: KVCACHED_ENGINE_TESTS=1).
-if [ "${KVCACHED_ENGINE_TESTS:-0}" != "0" ]; then
+# Then the real engines, each in its own venv (KVCACHED_ENGINE_TESTS=0 skips them).
+if [ "${KVCACHED_ENGINE_TESTS:-1}" != "0" ]; then
   bash scripts/test_engines.sh
   bash scripts/test_engines_sglang.sh
 fi
