@@ -11,6 +11,8 @@ JSON line each:
   {"op": "alloc", "n": N}      reserve + alloc_pages; {"ok": bool, "ids": [...]}
   {"op": "free", "n": N}       frees the N most recent pages
   {"op": "query"}              counters and the allocator's cap
+  {"op": "short", "need": B}   note_shortage(B); {"published": bool}
+  {"op": "clear"}              clear_want()
   {"op": "churn", "seconds": S, "seed": K, "max_pages": M}
                                random alloc/free for S seconds; returns stats
   {"op": "exit"}               clean shutdown (the record is unlinked)
@@ -87,6 +89,11 @@ def main() -> None:
             out = {"ok": True}
         elif op == "query":
             out = query()
+        elif op == "short":
+            out = {"published": limits.note_shortage(int(cmd.get("need", 0)))}
+        elif op == "clear":
+            limits.clear_want()
+            out = {"ok": True}
         elif op == "churn":
             rng = random.Random(int(cmd["seed"]))
             end = time.monotonic() + float(cmd["seconds"])

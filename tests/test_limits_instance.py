@@ -294,3 +294,25 @@ def test_record_state_alive_pending_dead(prefix):
         assert read_record(prefix + "p").state == "alive"
     finally:
         t.unlink()
+
+
+def test_a_want_is_published_in_the_record_and_goes_stale(prefix):
+    from kvcached.limits import read_record
+
+    t = _C.MemInfoTracker.create(prefix + "w", "t", 0, 0, BPP, BPP)
+    try:
+        r = read_record(prefix + "w")
+        assert r.wanted == r.wanted_ns == 0 and r.wants(10.0) == 0
+        with pytest.raises(InvalidArgumentError, match="wanted bytes must be >= 0"):
+            t.set_wanted(-1)
+        assert read_record(prefix + "w").wanted == 0  # refused: nothing changed
+        t.set_wanted(3 * BPP)
+        r = read_record(prefix + "w")
+        assert r.wanted == 3 * BPP and abs(r.wanted_ns - time.time_ns()) < 5e9
+        assert r.wants(10.0) == 3 * BPP
+        assert r.wants(1.0, now_ns=r.wanted_ns + 2_000_000_000) == 0  # not renewed: stale
+        assert r.to_dict()["wanted"] == 3 * BPP  # kvctl list --json shows it
+        t.set_wanted(0)
+        assert read_record(prefix + "w").wants(10.0) == 0
+    finally:
+        t.unlink()

@@ -109,6 +109,48 @@ def test_two_instances_grow_and_shrink_under_changing_limits(prefix, workers):
     assert peak >= budget_bytes // 2
 
 
+def test_a_short_instance_publishes_its_want_to_the_other_processes(prefix, workers):
+    budget_bytes = 8 * BPP
+    budget = DeviceBudget("cpu", budget_bytes, scope=prefix)
+    cfg = dict(pages=16, budget_bytes=budget_bytes, scope=prefix, max_reserved=0, quantum_bytes=BPP)
+    a = workers(name=prefix + "a", **cfg)
+    b = workers(name=prefix + "b", **cfg)
+    assert a.call("alloc", n=6)["ok"]  # a (say an idle engine's cache) holds 6 of 8 pages
+    assert b.call("alloc", n=1)["ok"]
+    assert not budget.wanting()  # a full budget alone is no want
+
+    # b's load needs 3 more pages; the budget, not its limit, stops it.
+    a_held = next(r.held for r in budget.members() if r.name == a.name)  # 6 pages + its quantum
+    assert b.call("short", need=3 * BPP)["published"]
+    wants = budget.wanting(exclude=a.name)
+    assert [r.name for r in wants] == [b.name]
+    assert wants[0].wanted == (1 + 3) * BPP - (budget_bytes - a_held)  # b maps 1 and needs 3
+    assert budget.wanting(exclude=b.name) == []  # nobody else wants anything
+    time.sleep(0.1)
+    assert budget.wanting(max_age_s=0.05) == []  # a want not renewed goes stale
+
+    # A step that placed everything withdraws the want; the next miss publishes it afresh.
+    b.call("clear")
+    assert read_wanted(b.name) == 0 and budget.wanting() == []
+    assert b.call("short", need=3 * BPP)["published"]
+    assert [r.name for r in budget.wanting()] == [b.name]
+    # a gives its memory back (what an idle engine does on seeing the want): b grows and its want is gone.
+    a.call("free", n=6)
+    assert b.call("alloc", n=3)["ok"]
+    assert budget.wanting() == [] and read_wanted(b.name) == 0
+
+    # Under a limit of what it maps, b's shortage is its own limit's: nothing to ask peers for.
+    assert a.call("alloc", n=3)["ok"]
+    set_instance_memory_limit(4 * BPP, name=b.name)
+    time.sleep(0.3)
+    assert not b.call("short", need=BPP)["published"]
+    assert budget.wanting() == []
+
+
+def read_wanted(name: str) -> int:
+    return _C.MemInfoTracker.open(name).snapshot().wanted
+
+
 def test_kill_9_shows_dead_then_cleanup_and_restart(prefix, workers):
     name = prefix + "k"
     w = workers(name=name, pages=16)

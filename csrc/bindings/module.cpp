@@ -381,7 +381,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("owner_start_time", &MemInfoSnapshot::owner_start_time)
       .def_readonly("granted", &MemInfoSnapshot::granted)
       .def_readonly("device_bytes", &MemInfoSnapshot::device_bytes)
-      .def_readonly("applied_revision", &MemInfoSnapshot::applied_revision);
+      .def_readonly("applied_revision", &MemInfoSnapshot::applied_revision)
+      .def_readonly("wanted", &MemInfoSnapshot::wanted)
+      .def_readonly("wanted_ns", &MemInfoSnapshot::wanted_ns);
   py::class_<MemInfoTracker, std::shared_ptr<MemInfoTracker>>(m, "MemInfoTracker")
       .def_static("create", [](const std::string& n, const std::string& e, int dt, int di, int64_t total, int64_t limit) {
                     return std::make_shared<MemInfoTracker>(MemInfoTracker::create(n, e, dt, di, total, limit));
@@ -399,6 +401,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_granted", &MemInfoTracker::set_granted, py::arg("bytes"))
       .def("set_device_bytes", &MemInfoTracker::set_device_bytes, py::arg("bytes"))
       .def("ack_revision", &MemInfoTracker::ack_revision, py::arg("revision"))
+      .def("set_wanted", &MemInfoTracker::set_wanted, py::arg("bytes"))
       .def("unlink", &MemInfoTracker::unlink);
   m.def("list_mem_info_records", &list_mem_info_records);
   m.def("delete_mem_info_record", &delete_mem_info_record, py::arg("name"), py::arg("force") = false);

@@ -151,6 +151,8 @@ MemInfoTracker MemInfoTracker::create(const std::string& name, const std::string
   r->granted.store(0);
   r->device_bytes.store(0);
   r->applied_revision.store(0);
+  r->wanted.store(0);
+  r->wanted_ns.store(0);
   copy_name(r->name, sizeof(r->name), name);
   copy_name(r->engine, sizeof(r->engine), engine);
   std::atomic_thread_fence(std::memory_order_release);
@@ -204,6 +206,8 @@ MemInfoSnapshot MemInfoTracker::snapshot() const {
   s.granted = rec_->granted.load(std::memory_order_acquire);
   s.device_bytes = rec_->device_bytes.load(std::memory_order_acquire);
   s.applied_revision = rec_->applied_revision.load(std::memory_order_acquire);
+  s.wanted = rec_->wanted.load(std::memory_order_acquire);
+  s.wanted_ns = rec_->wanted_ns.load(std::memory_order_acquire);
   s.owner_alive = process_alive(s.owner_pid, s.owner_start_time);
   return s;
 }
@@ -250,6 +254,13 @@ void MemInfoTracker::set_granted(int64_t bytes) {
 void MemInfoTracker::set_device_bytes(int64_t bytes) {
   if (bytes < 0) invalid("device bytes must be >= 0, got " + std::to_string(bytes));
   rec_->device_bytes.store(bytes, std::memory_order_release);
+}
+
+void MemInfoTracker::set_wanted(int64_t bytes) {
+  if (bytes < 0) invalid("wanted bytes must be >= 0, got " + std::to_string(bytes));
+  // Time first: a reader that sees the new bytes also sees a fresh time.
+  rec_->wanted_ns.store(now_ns(), std::memory_order_release);
+  rec_->wanted.store(bytes, std::memory_order_release);
 }
 
 void MemInfoTracker::ack_revision(uint32_t revision) {

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
+from kvcached.limits.budget import WANT_TTL_S
 from kvcached.limits.records import RecordView
 from kvcached.limits.units import format_size
 
-RECORD_HEADERS = ("NAME", "ENGINE", "DEVICE", "PID", "STATE", "LIMIT", "USED", "PREALLOC", "MAPPED", "LIMIT%", "REV")
+RECORD_HEADERS = ("NAME", "ENGINE", "DEVICE", "PID", "STATE", "LIMIT", "USED", "PREALLOC", "MAPPED", "LIMIT%", "WANTS",
+                  "REV")
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -43,8 +45,15 @@ def record_row(r: RecordView) -> List[str]:
         format_size(r.prealloc),
         format_size(r.mapped),
         percent(r.mapped, r.limit),
+        _wants(r),
         str(r.revision),
     ]
+
+
+def _wants(r: RecordView) -> str:
+    """What the instance's load lacks because the device budget is full ("-": nothing)."""
+    n = r.wants(WANT_TTL_S)
+    return format_size(n) if n else "-"
 
 
 def records_table(records: Sequence[RecordView]) -> str:

@@ -19,6 +19,14 @@ holds at every moment, not just at check time. Grants shrink without the lock
 the check are a snapshot; a grant that cannot be had is an allocation miss
 (OutOfMemoryError), never a crash.
 
+Wants: a grant is never taken from a peer; memory moves between instances
+only when its holder frees it. A busy instance frees as its requests finish,
+but an idle one whose prefix cache holds pages runs no step that could free
+them. So an instance whose load the budget stops (``InstanceLimits.
+note_shortage``) publishes the bytes it lacks in its record (renewed while it
+keeps missing, withdrawn by ``clear_want`` once it does not), and idle engines
+that see a current want (``wanting``) evict their cached pages.
+
 Scope: records are 0600, so a process sees (and counts) only its own user's
 instances (root sees all). ``scope`` narrows a budget to the instances whose
 names start with it (separate tenants or test runs on one host).
@@ -30,6 +38,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
@@ -42,6 +51,9 @@ ENV_GPU_UTILIZATION = "KVCACHED_GPU_UTILIZATION"
 ENV_HOST_BUDGET = "KVCACHED_HOST_MEMORY_BUDGET"
 DEFAULT_GPU_UTILIZATION = 0.95
 _LOCK_DIR = "/dev/shm"
+# A published want is current this long: a short instance renews it while its
+# load keeps missing memory (every scheduling step that cannot place a request).
+WANT_TTL_S = 2.0
 
 
 def gpu_utilization() -> float:
@@ -154,12 +166,20 @@ class DeviceBudget:
         """Bytes not held by any member but ``exclude`` (may be < 0 after a budget change)."""
         return self.budget_bytes - self.held_bytes(exclude)
 
-    def nudge(self, exclude: Optional[str] = None) -> int:
-        """Wakes the watcher of every member that holds more than it maps, so it
-        gives the difference back. Returns how many were woken."""
+    def wanting(self, exclude: Optional[str] = None, max_age_s: float = WANT_TTL_S) -> List[RecordView]:
+        """Members (but ``exclude`` and this process's own records) whose load
+        wanted memory the budget could not give within the last ``max_age_s``
+        seconds: idle instances should give them their cached pages."""
+        now, me = time.time_ns(), os.getpid()
+        return [r for r in self.members(exclude) if r.owner_pid != me and r.wants(max_age_s, now)]
+
+    def nudge(self, exclude: Optional[str] = None, everyone: bool = False) -> int:
+        """Wakes the watcher of every member that holds more than it maps (with
+        ``everyone``: of every member, so idle engines see a new want at once),
+        so it gives the difference back. Returns how many were woken."""
         n = 0
         for r in self.members(exclude):
-            if r.granted > r.mapped:
+            if everyone or r.granted > r.mapped:
                 try:
                     _C.MemInfoTracker.open(r.name).wake()
                     n += 1

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 from kvcached import _C
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
@@ -43,6 +43,10 @@ _IDLE_WAKE_MS = 10_000
 # How long a sum of what the other instances hold may be reused by
 # num_free_pages(): it is called on every scheduling step and reads every record.
 _PEER_SUM_TTL_S = 0.05
+
+# How often note_shortage() may read the budget; in between it repeats its
+# last answer (it is called on every allocation miss of a scheduling step).
+_SHORTAGE_CHECK_S = 0.25
 
 # Instances owned by this process, for kvcached.control's default target.
 _live: "weakref.WeakValueDictionary[str, InstanceLimits]" = weakref.WeakValueDictionary()
@@ -129,6 +133,11 @@ class InstanceLimits:
         self._quantum = 1
         self._applied_revision = 0
         self._peer_sum = (-1.0, 0)  # (monotonic time, bytes held by the other members)
+        self._shortage_check = (-1.0, False)  # (monotonic time, want published)
+        self._wanting = False  # the record shows a want
+        # Called on the watcher thread when a peer short of budget wakes this
+        # instance (the engine looks for cache to give back: see budget.py).
+        self.on_peer_short: Optional[Callable[[], None]] = None
         self._stopping = False
         self._watcher: Optional[threading.Thread] = None
         self._closed = False
@@ -218,6 +227,9 @@ class InstanceLimits:
                     woken = (time.monotonic() - t0) * 1000 < _IDLE_WAKE_MS * 0.9
                     if woken:
                         self.release_slack(0, trim_reserve=True)
+                        hook = self.on_peer_short
+                        if hook is not None:
+                            hook()
                     else:
                         self.release_slack(self._quantum)
             except Exception:  # keep watching: a failed apply is retried on the next write
@@ -297,13 +309,58 @@ class InstanceLimits:
                     short = 0
                     self._grant = max(self._grant, min(self._limit, need + self._quantum, avail))
                     self._enforce_locked()
+                    if self._wanting:
+                        self._set_want(0)  # the budget covers the load again
             if short:
+                self._set_want(short)
                 self.budget.nudge(exclude=self.name)
                 raise OutOfMemoryError(
                     f"device budget of {self.budget.device} exhausted: other instances hold {format_size(others)} "
                     f"of {format_size(self.budget.budget_bytes)}; {self.name} needs {format_size(short)} more "
                     "(retry after they free memory, or raise KVCACHED_GPU_UTILIZATION / lower their limits)"
                 )
+
+    def note_shortage(self, need_bytes: int = 0) -> bool:
+        """The owner's load needs ``need_bytes`` (default: one page) more than
+        it can map now; call it where the engine fails to place a request.
+
+        When the device budget, not this instance's limit, stands in the way,
+        the want is published in the record (idle peers give their cached
+        pages back: see ``budget.py``) and peers are asked for budget they
+        hold unused. Cheap on every miss: the budget is read at most every
+        0.25 s and the last answer repeated in between. Returns whether a
+        want is published.
+        """
+        if self.budget is None or self._pa is None or self._closed:
+            return False
+        now = time.monotonic()
+        t, answer = self._shortage_check
+        if now - t < _SHORTAGE_CHECK_S:
+            return answer
+        need = max(int(need_bytes), self._bpp)
+        room = self.budget.budget_bytes - self.budget.held_bytes(exclude=self.name)
+        # What the limit would allow for this need, minus what the budget allows.
+        lacking = min(self._limit, self._mapped_bytes() + need) - room
+        answer = lacking > 0
+        if answer:
+            self._set_want(-(-lacking // self._bpp) * self._bpp)
+            self.budget.nudge(exclude=self.name, everyone=True)
+        elif self._wanting:
+            self._set_want(0)
+        self._shortage_check = (now, answer)
+        return answer
+
+    def clear_want(self) -> None:
+        """The owner's load no longer misses memory (call it after a scheduling
+        step that placed everything it tried): withdraws a published want.
+        Cheap: one attribute test when nothing is wanted."""
+        if self._wanting:
+            self._set_want(0)
+            self._shortage_check = (-1.0, False)  # the next miss is checked afresh
+
+    def _set_want(self, nbytes: int) -> None:
+        self._tracker.set_wanted(nbytes)
+        self._wanting = nbytes > 0
 
     def num_free_pages(self) -> int:
         """Pages an allocation could get now: use it where the manager would ask

@@ -8,8 +8,9 @@ A record's fields are read atomically one by one; limit and revision together
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvcached import _C
 
@@ -51,7 +52,10 @@ class RecordView:
     ``total``: virtual capacity; ``granted``: device-budget bytes the owner
     holds (0: takes part in no budget); ``device_bytes``: usable bytes of the
     device (0: unknown); ``revision``: bumped by every limit write;
-    ``applied_revision``: the last revision the owner enforces.
+    ``applied_revision``: the last revision the owner enforces;
+    ``wanted``: bytes the owner's load lacks because the device budget (not
+    its own limit) stops it, as of ``wanted_ns`` (CLOCK_REALTIME; 0 bytes:
+    nothing wanted). A want is current only while it is being renewed.
     """
 
     name: str
@@ -70,6 +74,8 @@ class RecordView:
     granted: int
     device_bytes: int
     updated_ns: int
+    wanted: int = 0
+    wanted_ns: int = 0
 
     @property
     def mapped(self) -> int:
@@ -92,6 +98,13 @@ class RecordView:
         not managed by InstanceLimits) is never shown pending.
         """
         return self.alive and self.applied_revision != 0 and self.applied_revision != self.revision
+
+    def wants(self, max_age_s: float, now_ns: Optional[int] = None) -> int:
+        """Bytes a live owner wanted within the last ``max_age_s`` seconds (0: none)."""
+        if not self.alive or self.wanted <= 0:
+            return 0
+        now = time.time_ns() if now_ns is None else now_ns
+        return self.wanted if now - self.wanted_ns <= max_age_s * 1e9 else 0
 
     @property
     def state(self) -> str:
@@ -138,6 +151,8 @@ class RecordView:
             granted=s.granted,
             device_bytes=s.device_bytes,
             updated_ns=s.updated_ns,
+            wanted=s.wanted,
+            wanted_ns=s.wanted_ns,
         )
 
 

@@ -48,7 +48,12 @@ struct MemInfoRecord {
   std::atomic<int64_t> device_bytes;       // usable bytes of the device (0: unknown)
   std::atomic<uint32_t> applied_revision;  // last revision the owner enforces
   uint32_t reserved2;
-  char reserved1[40];
+  // A live owner that the device budget (not its own limit) keeps from
+  // mapping what its load needs publishes the bytes it lacks and when; idle
+  // peers read it and give their cached pages back. 0 bytes: nothing wanted.
+  std::atomic<int64_t> wanted;
+  std::atomic<int64_t> wanted_ns;  // CLOCK_REALTIME of the last set_wanted
+  char reserved1[24];
 };
 static_assert(sizeof(MemInfoRecord) == 312, "the shared record layout must not change size");
 
@@ -69,6 +74,8 @@ struct MemInfoSnapshot {
   int64_t granted = 0;
   int64_t device_bytes = 0;
   uint32_t applied_revision = 0;
+  int64_t wanted = 0;
+  int64_t wanted_ns = 0;
 };
 
 class MemInfoTracker {
@@ -100,6 +107,8 @@ class MemInfoTracker {
   void set_granted(int64_t bytes);
   void set_device_bytes(int64_t bytes);
   void ack_revision(uint32_t revision);
+  // Publishes the bytes the owner lacks now (0: none) with the time.
+  void set_wanted(int64_t bytes);
   // Removes the name from /dev/shm (open mappings stay valid).
   void unlink();
 

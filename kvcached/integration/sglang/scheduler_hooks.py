@@ -26,6 +26,13 @@ Prefix-cache bound: after each batch, if the radix cache holds more than
 ``KVCACHED_MAX_CACHED_TOKENS`` tokens, unlocked entries are evicted (LRU, by
 SGLang's own policy) until it holds at most that many or nothing is evictable.
 
+Sharing the device budget. While requests wait and the device budget (not
+this instance's limit) stops the pool from growing, the want is published in
+the instance's record (``InstanceLimits.note_shortage``, after every batch and
+idle turn). An idle scheduler that sees a peer's current want evicts its
+unlocked prefix cache and gives back the emptied pages, the mapped reserve and
+unused budget: a busy peer must not wait for an idle one's cache.
+
 A lowered limit (``kvctl limit``): no page is mapped past it from then on, and
 pages with live blocks are released as their blocks are freed. Blocks held
 only by the prefix cache would keep their pages forever, so after each batch
@@ -38,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -51,9 +59,15 @@ _MARKERS = "_kvcached_release_markers"
 # them any more, while the scheduler is busy.
 RELEASE_GRACE_S = 1.0
 
+# How often an idle scheduler reads the peers' records for a want.
+PEER_CHECK_S = 0.5
+
 # Counters for kvcached_report (this process).
 _stats: Dict[str, int] = {"batches": 0, "idle_turns": 0, "cache_bound_evicted_tokens": 0, "limit_evicted_tokens": 0,
-                          "flushes": 0}
+                          "flushes": 0, "peer_evicted_tokens": 0}
+_next_peer_check = [0.0]
+# Set on a limits watcher thread when a peer publishing a want wakes our record.
+_peer_poke = threading.Event()
 
 
 def max_cached_tokens() -> Optional[int]:
@@ -90,6 +104,7 @@ def after_result(scheduler: Any, result: Any) -> None:
     tree = getattr(scheduler, "tree_cache", None)
     bound_prefix_cache(tree)
     shrink_to_limits(tree)
+    note_waiting(scheduler)
 
 
 def release_safe(g: ElasticGroup, finished_by: float = float("inf")) -> int:
@@ -108,8 +123,55 @@ def nothing_in_flight(scheduler: Any) -> bool:
 def on_idle(scheduler: Any) -> None:
     _stats["idle_turns"] += 1
     if nothing_in_flight(scheduler):
-        shrink_to_limits(getattr(scheduler, "tree_cache", None))  # emptied pages retire...
+        tree = getattr(scheduler, "tree_cache", None)
+        shrink_to_limits(tree)  # emptied pages retire...
         release_all()  # ...and are released at once: nothing is in flight
+        if not note_waiting(scheduler):
+            give_back_to_peers(tree)
+
+
+def note_waiting(scheduler: Any) -> bool:
+    """Requests wait: tells each pool's limits, which publish a want when the
+    device budget is what stops them (rate-limited there); none wait: a want
+    is withdrawn. Returns whether requests wait."""
+    waiting = bool(len(getattr(scheduler, "waiting_queue", None) or ()))
+    for g in elastic_groups():
+        if g.limits is not None:
+            if waiting:
+                g.limits.note_shortage()
+            else:
+                g.limits.clear_want()
+    return waiting
+
+
+def give_back_to_peers(tree_cache: Any) -> int:
+    """Idle: when a peer sharing the device budget wants memory, evicts the
+    unlocked prefix cache and returns the emptied pages, the mapped reserve
+    and unused budget. Reads the peers' records every PEER_CHECK_S, and at
+    once when a peer's want woke one of our records. Returns tokens evicted."""
+    now = time.monotonic()
+    if now < _next_peer_check[0] and not _peer_poke.is_set():
+        return 0
+    _next_peer_check[0] = now + PEER_CHECK_S
+    _peer_poke.clear()
+    groups = [g for g in elastic_groups() if g.limits is not None and g.limits.budget is not None]
+    for g in groups:
+        g.limits.on_peer_short = _peer_poke.set
+    wanted = [g for g in groups if g.limits.budget.wanting(g.limits.name)]
+    if not wanted:
+        return 0
+    n = 0
+    if tree_cache is not None and tree_cache.supports_prefix_sharing() and tree_cache.evictable_size() > 0:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        res = tree_cache.evict(EvictParams(num_tokens=int(tree_cache.evictable_size())))
+        n = int(getattr(res, "num_tokens_evicted", 0) or 0)
+        _stats["peer_evicted_tokens"] += n
+    release_all()
+    for g in wanted:
+        g.manager.trim()
+        g.limits.release_slack(0)
+    return n
 
 
 def after_flush(scheduler: Any, success: Any) -> None:

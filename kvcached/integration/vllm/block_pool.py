@@ -313,19 +313,23 @@ class ElasticBlockPool(BlockPool):
         self._give_back([b.block_id for b in victims])
         return len(victims)
 
-    def idle_return_memory(self, pressed: bool) -> None:
+    def idle_return_memory(self, wanting: List[str]) -> None:
         """On the EngineCore thread while the engine is idle: evicts cached
         whole pages over the limit, or all of them (and the mapped reserve)
-        when a peer sharing the device budget is short of memory."""
+        when peers sharing the device budget (``wanting``) want memory."""
+        pa = self.manager.page_allocator
+        before = int(pa.get_num_mapped_pages())
         if self.backend.pages_over_limit() > 0:
             self._next_return_scan = 0.0
             self._maybe_return_memory()
-        if pressed:
+        if wanting:
             self.evict_cached(self.free_block_queue.num_free_blocks, whole_pages_first=True, only_whole_pages=True)
             self.manager.trim()
             limits = self.manager.limits
             if limits is not None:
                 limits.release_slack(0)
+        logger.info("kvcached: idle %s gave back %d of %d mapped pages (%s)", self.backend.name,
+                    before - int(pa.get_num_mapped_pages()), before, f"wanted by {', '.join(wanting)}" if wanting else "over its limit")
         self._avail_until = 0.0
 
     def close(self) -> None:

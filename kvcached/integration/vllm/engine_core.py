@@ -39,7 +39,7 @@ import os
 import threading
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Deque, Dict, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from kvcached import config
 from kvcached.errors import InvalidArgumentError
@@ -129,8 +129,9 @@ class ExecutionFence:
         if not self.closed:
             self._m.release_retired_pages_through(marker)
 
-    def wrap(self, scheduler: Any) -> None:
-        """Counts the steps of ``scheduler`` (instance attributes shadow its methods)."""
+    def wrap(self, scheduler: Any, after_schedule: Optional[Callable[[], None]] = None) -> None:
+        """Counts the steps of ``scheduler`` (instance attributes shadow its
+        methods); ``after_schedule`` runs after each ``schedule()``."""
         schedule = scheduler.schedule
         update = scheduler.update_from_output
         fence = self
@@ -143,6 +144,8 @@ class ExecutionFence:
             finally:
                 fence.depth -= 1
             fence.schedule_done()
+            if after_schedule is not None:
+                after_schedule()
             return out
 
         @functools.wraps(update)
@@ -286,6 +289,7 @@ class ElasticBackend:
         self.fence = ExecutionFence(manager)
         self._bpp = int(manager.bytes_per_page)
         self._closed = False
+        self._missed_in_step = False  # an allocate_slots -> None in the current schedule()
 
     @classmethod
     def create(cls, ctx: PoolContext, num_blocks: int) -> "ElasticBackend":
@@ -356,34 +360,55 @@ class ElasticBackend:
     # A busy engine returns memory from its scheduling steps (the pool checks
     # its limit whenever it counts free blocks). An idle one runs no step, yet
     # its prefix cache may hold pages that a loaded peer needs, or a lowered
-    # limit may not be enforced yet. A thread watches for that and, when there
-    # is something to give back, queues the work on the EngineCore's own
+    # limit may not be enforced yet. A thread watches for that (every 0.5 s,
+    # and at once when a peer publishing a want wakes this instance's record)
+    # and, when there is something to give back, queues the work on the EngineCore's own
     # thread (vLLM's idle callbacks, woken with a WAKEUP request), where the
     # pool may be touched.
 
-    def budget_pressed(self) -> bool:
-        """True when the shared device budget has less than a page left and
-        another live instance shares it (it may be waiting for memory)."""
+    def peers_wanting_memory(self) -> List[str]:
+        """Other live instances sharing the device budget that published a
+        current want (their load misses memory the budget holds)."""
         budget = getattr(self.limits, "budget", None)
-        if budget is None:
-            return False
-        if not budget.members(exclude=self.limits.name):
-            return False
-        return budget.headroom() < self._bpp
+        return [] if budget is None else [r.name for r in budget.wanting(exclude=self.limits.name)]
+
+    def note_shortage(self) -> None:
+        """A request could not get blocks: if the device budget (not this
+        instance's limit) is why, idle peers are asked for their cache."""
+        self._missed_in_step = True
+        note = getattr(self.limits, "note_shortage", None)
+        if note is not None:
+            note()
+
+    def step_scheduled(self) -> None:
+        """After each ``schedule()``: a step that placed every request it
+        tried withdraws the want, so idle peers keep their cache."""
+        if self._missed_in_step:
+            self._missed_in_step = False
+        else:
+            clear = getattr(self.limits, "clear_want", None)
+            if clear is not None:
+                clear()
 
     def start_idle_watch(self, core: Any, pool: Any) -> None:
         from vllm.v1.engine import EngineCoreRequestType
 
-        self._idle_stop = threading.Event()
+        self._idle_stop = False
+        self._idle_poke = threading.Event()  # set by a peer's want (futex wake) or close()
         self._idle_queued = False
+        self.limits.on_peer_short = self._idle_poke.set
 
         def run_on_core(_core: Any) -> None:
             self._idle_queued = False
             if not self._closed:
-                pool.idle_return_memory(self.budget_pressed())
+                pool.idle_return_memory(self.peers_wanting_memory())
 
         def watch() -> None:
-            while not self._idle_stop.wait(_IDLE_WATCH_S):
+            while True:
+                self._idle_poke.wait(_IDLE_WATCH_S)
+                self._idle_poke.clear()
+                if self._idle_stop:
+                    return
                 try:
                     if self._closed or self._idle_queued or core.scheduler.has_requests():
                         continue  # a busy engine gives memory back from its own steps
@@ -391,7 +416,7 @@ class ElasticBackend:
                     reserve = int(self.manager.page_allocator.get_num_reserved_pages()) > 0
                     if not (has_cache or reserve):
                         continue
-                    if self.pages_over_limit() <= 0 and not self.budget_pressed():
+                    if self.pages_over_limit() <= 0 and not self.peers_wanting_memory():
                         continue
                     self._idle_queued = True
                     core._idle_state_callbacks.append(run_on_core)
@@ -417,9 +442,10 @@ class ElasticBackend:
             return
         self._closed = True
         self.fence.closed = True
-        stop = getattr(self, "_idle_stop", None)
-        if stop is not None:
-            stop.set()
+        poke = getattr(self, "_idle_poke", None)
+        if poke is not None:
+            self._idle_stop = True
+            poke.set()
         try:
             self.limits.close()
         finally:
@@ -450,7 +476,7 @@ def patch_scheduler_module(module: ModuleType) -> None:
             _ctx.value = None
         pool = _pool_of(self)
         if pool is not None:
-            pool.backend.fence.wrap(self)
+            pool.backend.fence.wrap(self, after_schedule=pool.backend.step_scheduled)
 
     @functools.wraps(shutdown)
     def shutdown_wrapper(self) -> None:  # type: ignore[no-untyped-def]
@@ -492,7 +518,9 @@ def _pool_of(scheduler: Any) -> Any:
 
 
 def patch_kv_cache_manager_module(module: ModuleType) -> None:
-    """KVCacheManager.allocate_slots: a PoolShortage rolls the call back and returns None."""
+    """KVCacheManager.allocate_slots: a PoolShortage rolls the call back and
+    returns None; every None (the request waits or is preempted) is noted as
+    a shortage, so idle peers holding the device budget give it back."""
     cls = module.KVCacheManager
     orig = cls.allocate_slots
 
@@ -506,12 +534,15 @@ def patch_kv_cache_manager_module(module: ModuleType) -> None:
         rid = request.request_id
         snap = [_snapshot(m, rid) for m in managers]  # a few dict lookups: cheap enough per call
         try:
-            return orig(self, request, *args, **kwargs)
+            out = orig(self, request, *args, **kwargs)
         except PoolShortage as e:
             for m, s in zip(managers, snap):
                 _rollback(m, rid, s, self.block_pool)
             logger.debug("kvcached: allocation of %s rolled back: %s", rid, e)
-            return None
+            out = None
+        if out is None:
+            self.block_pool.backend.note_shortage()
+        return out
 
     setattr(allocate_slots, WRAPPED, orig)
     cls.allocate_slots = allocate_slots

@@ -3,7 +3,8 @@
     python engine_driver.py CONFIG.json OUT.json
 
 CONFIG: {"model": path, "page_size": 1|16, "kvcached": bool, "max_total_tokens": int|null,
-         "limit_bytes": int|null, "report": path|null}
+         "limit_bytes": int|null, "report": path|null,
+         "peer_want_bpp": bytes per kvcached page of the record, or absent: no W5}
 
 The same workloads run with and without kvcached (``workloads``); with kvcached
 the run also gathers evidence from the scheduler process: its kvcached report
@@ -206,6 +207,51 @@ class ServerClient:
         self.log.close()
 
 
+LIMITS_WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "limits_worker.py")
+
+
+def peer_wants_memory(client: Any, record: Callable[[], Any], bpp: int) -> Dict[str, Any]:
+    """W5: the engine idles with its prefix cache full; a peer instance (a real
+    kvcached instance in another process, tests/limits_worker.py) whose device
+    budget is what is mapped now (so the engine's pages fill it) wants as much
+    as the engine maps: it publishes its want until the idle engine gives its
+    pages back (giving back only unused budget and the reserve is not enough)."""
+    from kvcached.limits import DeviceBudget
+
+    client.generate(batch_prompts("c"), SHORT)  # distinct prompts: the cache fills up to its bound
+    time.sleep(1.0)
+    before = record().mapped
+    out: Dict[str, Any] = {"mapped_before": before}
+    mapped = sum(r.mapped for r in DeviceBudget("cpu", 1).members())  # every live instance of this user here
+    cfg = {"name": record().name + "_peer", "pages": 256, "page": 4096, "budget_bytes": mapped + 1, "max_reserved": 0}
+    peer = subprocess.Popen([sys.executable, LIMITS_WORKER, json.dumps(cfg)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+    def call(op: str, **kw: Any) -> Dict[str, Any]:
+        peer.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        peer.stdin.flush()
+        return json.loads(peer.stdout.readline())
+
+    try:
+        assert "ready" in json.loads(peer.stdout.readline())
+        t0 = time.monotonic()
+        out["published"] = call("short", need=before)["published"]
+        # Until only the padding page (and at most one more) is left.
+        while record().mapped > 2 * bpp and time.monotonic() - t0 < 15:
+            call("short", need=before)  # renewed, as a scheduler's missing steps would
+            time.sleep(0.2)
+        out["given_back_s"] = round(time.monotonic() - t0, 2)
+        time.sleep(0.5)
+        out["mapped_after"] = record().mapped
+        call("exit")
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        peer.wait(10)
+    return out
+
+
 def main() -> int:
     cfg = json.load(open(sys.argv[1]))
     out_path = sys.argv[2]
@@ -321,6 +367,10 @@ def main() -> int:
             time.sleep(1.0)
             report("end")
             res["alive_at_end"] = client.generate(PROMPTS[:1], SHORT)[0]["output_ids"]
+        if kv and cfg.get("peer_want_bpp"):
+            res["w5"] = peer_wants_memory(client, record, int(cfg["peer_want_bpp"]))
+            report("after_peer_want")
+            res["w5"]["alive_after"] = client.generate(PROMPTS[:1], SHORT)[0]["output_ids"]
     finally:
         client.close()
     with open(out_path, "w") as f:

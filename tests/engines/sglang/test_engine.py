@@ -42,7 +42,7 @@ TOKEN_BYTES = 2 * 2 * 2 * 32 * 2  # layers x K/V x heads x head_dim x fp16
 RUNS = {
     "native-1": dict(page_size=1, kvcached=False, max_total_tokens=2048),
     "native-16": dict(page_size=16, kvcached=False, max_total_tokens=2048),
-    "kvcached-1": dict(page_size=1, kvcached=True, max_total_tokens=None, limit_bytes=LIMIT,
+    "kvcached-1": dict(page_size=1, kvcached=True, max_total_tokens=None, limit_bytes=LIMIT, peer_want_bpp=BYTES_PER_PAGE,
                        env={"KVCACHED_AUTOPATCH": "0", "KVCACHED_HOST_MEMORY_BUDGET": "64M",
                             "KVCACHED_MAX_CACHED_TOKENS": str(CACHE_BOUND)}),
     "kvcached-16": dict(page_size=16, kvcached=True, max_total_tokens=2048, limit_bytes=LIMIT, server=True,
@@ -176,6 +176,20 @@ def test_pages_mapped_during_generation_and_unmapped_after(runs, ps: int) -> Non
         assert rep["idle_after_flush"]["pools"][0]["stats"]["retired_pages"] == 0
         starts = rep["start"]["pools"][0]["data_ptrs_at_start"]
         assert all(p["pools"][0]["data_ptrs_now"] == starts for p in rep.values())  # addresses fixed for life
+
+
+# ------------------------------------------------ an idle engine gives its cache to a peer that wants memory
+def test_idle_engine_gives_its_cache_to_a_peer_that_wants_memory(runs) -> None:
+    r = runs["kvcached-1"]
+    w5 = r["w5"]
+    assert w5["published"]  # the peer's want was real: the shared budget, not its limit, stopped it
+    assert w5["mapped_before"] >= 4 * BYTES_PER_PAGE  # the idle engine's cache held pages
+    assert w5["mapped_after"] <= 2 * BYTES_PER_PAGE < w5["mapped_before"], w5  # the padding page stays
+    assert w5["given_back_s"] < 15
+    rep = r["reports"]["after_peer_want"]
+    assert rep["peer_evicted_tokens"] > 0
+    assert rep["evictable_size"] == 0  # the whole unlocked cache went
+    assert w5["alive_after"] == r["w1"][0]  # and the engine serves the same tokens afterwards
 
 
 # ------------------------------------------------------------ 4. kvctl limit lowered mid-run
