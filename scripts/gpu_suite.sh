@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 setup.py -q build_ext --inplace -j 8 > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 # Test tools missing from the image can travel as wheels in .whl/ (carried).
 if ! python3 -c "import hypothesis" 2>/dev/null && ls .whl/hypothesis-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/hypothesis-*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 python3 -m pytest -q -rs -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}

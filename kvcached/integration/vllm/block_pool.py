@@ -328,8 +328,10 @@ class ElasticBlockPool(BlockPool):
             limits = self.manager.limits
             if limits is not None:
                 limits.release_slack(0)
-        logger.info("kvcached: idle %s gave back %d of %d mapped pages (%s)", self.backend.name,
-                    before - int(pa.get_num_mapped_pages()), before, f"wanted by {', '.join(wanting)}" if wanting else "over its limit")
+        given = before - int(pa.get_num_mapped_pages())
+        if given > 0:
+            logger.info("kvcached: idle %s gave back %d of %d mapped pages (%s)", self.backend.name, given, before,
+                        f"wanted by {', '.join(wanting)}" if wanting else "over its limit")
         self._avail_until = 0.0
 
     def close(self) -> None:
