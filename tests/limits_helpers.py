@@ -87,13 +87,20 @@ def kvctl_list_json() -> List[Dict[str, Any]]:
 
 
 def remove_records(prefix: str) -> None:
-    """Deletes every record whose name starts with ``prefix`` (test cleanup)."""
+    """Deletes every record whose name starts with ``prefix`` and the budget
+    lock file of that scope (test cleanup)."""
+    from kvcached.limits import DeviceBudget
+
     for n in _C.list_mem_info_records():
         if n.startswith(prefix):
             try:
                 _C.delete_mem_info_record(n, True)
             except _C.KvcachedError:
                 pass
+    try:
+        os.unlink(DeviceBudget("cpu", 1, scope=prefix).lock_path)
+    except FileNotFoundError:
+        pass
 
 
 def record_state(name: str) -> Optional[tuple]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
@@ -316,3 +318,58 @@ def test_a_want_is_published_in_the_record_and_goes_stale(prefix):
         assert read_record(prefix + "w").wants(10.0) == 0
     finally:
         t.unlink()
+
+
+_OWNER = """
+import ctypes, os, sys, threading, time
+from kvcached import _C
+t = _C.MemInfoTracker.create(sys.argv[1], "t", 0, 0, {n}, {n})
+t.publish_usage({n}, 0)
+t.set_granted({n})
+if sys.argv[2] == "thread":
+    threading.Thread(target=time.sleep, args=(60,)).start()
+print("ok", flush=True)
+if sys.argv[2] == "thread":
+    ctypes.CDLL(None).pthread_exit(None)  # the leader exits; the other thread runs on
+os._exit(0)  # no clean shutdown: the record stays
+"""
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _start_owner(name: str, mode: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _OWNER.format(n=4 * BPP), name, mode], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ok\n"
+    deadline = time.monotonic() + 10
+    while _proc_state(p.pid) != "Z":  # exited (or its leader thread did), not reaped
+        assert time.monotonic() < deadline, "the owner did not exit"
+        time.sleep(0.01)
+    return p
+
+
+def test_an_exited_owner_not_yet_reaped_holds_nothing(prefix):
+    from kvcached.limits import read_record
+
+    budget = DeviceBudget("cpu", 8 * BPP, scope=prefix)
+    p = _start_owner(prefix + "z", "exit")
+    try:
+        r = read_record(prefix + "z")
+        assert not r.alive and r.state == "dead" and r.held == 0  # a zombie's memory is gone
+        assert budget.held_bytes() == 0
+        _C.delete_mem_info_record(prefix + "z", False)  # no force needed
+    finally:
+        p.wait(10)
+    # A leader thread that exited while another thread runs is a live process.
+    p = _start_owner(prefix + "t", "thread")
+    try:
+        r = read_record(prefix + "t")
+        assert r.alive and r.held == 4 * BPP
+        with pytest.raises(InvalidArgumentError):
+            _C.delete_mem_info_record(prefix + "t", False)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert not read_record(prefix + "t").alive

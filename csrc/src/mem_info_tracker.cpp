@@ -59,20 +59,29 @@ struct FileLock {
 
 }  // namespace
 
-uint64_t process_start_time(int pid) {
+namespace {
+
+// Reads /proc/<pid>/<file> into buf (NUL-terminated); false if unreadable.
+bool read_proc(int pid, const char* file, char* buf, size_t size) {
   char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  std::snprintf(path, sizeof(path), "/proc/%d/%s", pid, file);
   int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
-  char buf[1024];
-  ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  if (fd < 0) return false;
+  ssize_t n = read(fd, buf, size - 1);
   close(fd);
-  if (n <= 0) return 0;
+  if (n <= 0) return false;
   buf[n] = 0;
+  return true;
+}
+
+// The state letter (field #3 of /proc/<pid>/stat) and start time (#22); 0 if gone.
+uint64_t stat_of(int pid, char* state) {
+  char buf[1024];
+  if (!read_proc(pid, "stat", buf, sizeof(buf))) return 0;
   char* p = std::strrchr(buf, ')');  // comm may contain spaces and ')'
-  if (!p) return 0;
+  if (!p || !p[1] || !p[2]) return 0;
   p += 2;
-  // Fields after comm start at #3 (state); starttime is #22.
+  if (state) *state = *p;
   for (int field = 3; field < 22; ++field) {
     p = std::strchr(p, ' ');
     if (!p) return 0;
@@ -81,11 +90,27 @@ uint64_t process_start_time(int pid) {
   return std::strtoull(p, nullptr, 10);
 }
 
+// An exited process not yet reaped: its memory (and GPU context) is gone.
+// A zombie thread-group leader whose other threads still run is alive.
+bool exited_unreaped(int pid, char state) {
+  if (state != 'Z' && state != 'X') return false;
+  char buf[4096];
+  if (!read_proc(pid, "status", buf, sizeof(buf))) return true;
+  const char* t = std::strstr(buf, "\nThreads:");
+  return !t || std::strtol(t + 9, nullptr, 10) <= 1;
+}
+
+}  // namespace
+
+uint64_t process_start_time(int pid) { return stat_of(pid, nullptr); }
+
 bool process_alive(int pid, uint64_t start_time) {
   if (pid <= 0) return false;
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  uint64_t st = process_start_time(pid);
-  return st != 0 && (start_time == 0 || st == start_time);
+  char state = 0;
+  uint64_t st = stat_of(pid, &state);
+  if (st == 0 || (start_time != 0 && st != start_time)) return false;
+  return !exited_unreaped(pid, state);
 }
 
 MemInfoTracker::MemInfoTracker(std::string name, int fd, MemInfoRecord* rec)

@@ -122,6 +122,11 @@ class DeviceBudget:
             _LOCK_DIR, f"kvcached-budget-u{os.geteuid()}-{self.device_type}-{self.device_index}{suffix}.lock"
         )
 
+    @property
+    def lock_path(self) -> str:
+        """The lock file in /dev/shm (one per user, device and scope)."""
+        return self._lock_path
+
     @classmethod
     def from_env(cls, device: str, *, scope: str = "") -> "DeviceBudget":
         """The budget of ``device`` per ``KVCACHED_GPU_UTILIZATION`` / ``KVCACHED_HOST_MEMORY_BUDGET``."""

@@ -121,6 +121,8 @@ class MemInfoTracker {
 
 // Names of kvcached records in /dev/shm readable by this user.
 std::vector<std::string> list_mem_info_records();
+// Alive: the pid exists with this start time (0: any) and has not exited
+// (an exited, unreaped zombie holds no memory and counts as dead).
 bool process_alive(int pid, uint64_t start_time);
 uint64_t process_start_time(int pid);
 // Removes a record; refuses (InvalidArgument) while its owner lives unless force.

@@ -219,14 +219,6 @@ def cleanup_dead_instances() -> None:
             continue
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def cleanup_instance(base: str, wait_s: float = 10.0) -> None:
     """Removes the record and socket directory of instance ``base`` (and its
     ``_dp<k>`` engines) once their owners are dead.
@@ -249,12 +241,9 @@ def cleanup_instance(base: str, wait_s: float = 10.0) -> None:
             rec = next((r for r in list_records() if r.name == name), None)
             if rec is None:
                 break
-            zombie = _is_zombie(rec.owner_pid)
-            if not rec.alive or zombie:
+            if not rec.alive:  # dead, or killed and not yet reaped by this process
                 try:
-                    # A killed child not yet reaped by this process counts as
-                    # alive in the record; force is right only for it.
-                    _C.delete_mem_info_record(name, zombie)
+                    _C.delete_mem_info_record(name, False)  # re-checks liveness
                 except _C.KvcachedError:
                     pass
                 break
