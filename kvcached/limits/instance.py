@@ -285,8 +285,9 @@ class InstanceLimits:
 
         Raises:
             OutOfMemoryError: the device budget cannot cover the fresh pages;
-                peers holding unused budget are asked to give it back, so a
-                retry later may succeed. Nothing changed.
+                the shortfall is published as this instance's want and every
+                peer woken (unused budget and idle caches come back), so a
+                retry later may succeed. Nothing else changed.
         """
         if self.budget is None or self._pa is None:
             return  # the allocator enforces the limit itself
@@ -312,8 +313,7 @@ class InstanceLimits:
                     if self._wanting:
                         self._set_want(0)  # the budget covers the load again
             if short:
-                self._set_want(short)
-                self.budget.nudge(exclude=self.name)
+                self._publish_want(short)
                 raise OutOfMemoryError(
                     f"device budget of {self.budget.device} exhausted: other instances hold {format_size(others)} "
                     f"of {format_size(self.budget.budget_bytes)}; {self.name} needs {format_size(short)} more "
@@ -343,8 +343,7 @@ class InstanceLimits:
         lacking = min(self._limit, self._mapped_bytes() + need) - room
         answer = lacking > 0
         if answer:
-            self._set_want(-(-lacking // self._bpp) * self._bpp)
-            self.budget.nudge(exclude=self.name, everyone=True)
+            self._publish_want(lacking)
         elif self._wanting:
             self._set_want(0)
         self._shortage_check = (now, answer)
@@ -357,6 +356,13 @@ class InstanceLimits:
         if self._wanting:
             self._set_want(0)
             self._shortage_check = (-1.0, False)  # the next miss is checked afresh
+
+    def _publish_want(self, lacking: int) -> None:
+        """Publishes ``lacking`` bytes (whole pages) as this instance's want and
+        wakes every peer: unused budget comes back at once, idle engines look
+        for cache to give back."""
+        self._set_want(-(-lacking // self._bpp) * self._bpp)
+        self.budget.nudge(exclude=self.name, everyone=True)
 
     def _set_want(self, nbytes: int) -> None:
         self._tracker.set_wanted(nbytes)

@@ -162,10 +162,7 @@ def give_back_to_peers(tree_cache: Any) -> int:
         return 0
     n = 0
     if tree_cache is not None and tree_cache.supports_prefix_sharing() and tree_cache.evictable_size() > 0:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        res = tree_cache.evict(EvictParams(num_tokens=int(tree_cache.evictable_size())))
-        n = int(getattr(res, "num_tokens_evicted", 0) or 0)
+        n = _evict(tree_cache, tree_cache.evictable_size())
         _stats["peer_evicted_tokens"] += n
     release_all()
     for g in wanted:
@@ -200,12 +197,17 @@ def bound_prefix_cache(tree_cache: Any) -> int:
     excess = min(cached - bound, evictable)
     if excess <= 0:
         return 0
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    res = tree_cache.evict(EvictParams(num_tokens=excess))
-    n = int(getattr(res, "num_tokens_evicted", 0) or 0)
+    n = _evict(tree_cache, excess)
     _stats["cache_bound_evicted_tokens"] += n
     return n
+
+
+def _evict(tree_cache: Any, num_tokens: int) -> int:
+    """Evicts up to ``num_tokens`` unlocked tokens (SGLang's LRU policy); returns how many went."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    res = tree_cache.evict(EvictParams(num_tokens=int(num_tokens)))
+    return int(getattr(res, "num_tokens_evicted", 0) or 0)
 
 
 def _live_page_bytes(g: ElasticGroup) -> int:

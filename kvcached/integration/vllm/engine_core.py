@@ -358,16 +358,14 @@ class ElasticBackend:
     def peers_wanting_memory(self) -> List[str]:
         """Other live instances sharing the device budget that published a
         current want (their load misses memory the budget holds)."""
-        budget = getattr(self.limits, "budget", None)
+        budget = self.limits.budget
         return [] if budget is None else [r.name for r in budget.wanting(exclude=self.limits.name)]
 
     def note_shortage(self) -> None:
         """A request could not get blocks: if the device budget (not this
         instance's limit) is why, idle peers are asked for their cache."""
         self._missed_in_step = True
-        note = getattr(self.limits, "note_shortage", None)
-        if note is not None:
-            note()
+        self.limits.note_shortage()
 
     def step_scheduled(self) -> None:
         """After each ``schedule()``: a step that placed every request it
@@ -375,14 +373,11 @@ class ElasticBackend:
         if self._missed_in_step:
             self._missed_in_step = False
         else:
-            clear = getattr(self.limits, "clear_want", None)
-            if clear is not None:
-                clear()
+            self.limits.clear_want()
 
     def start_idle_watch(self, core: Any, pool: Any) -> None:
         from vllm.v1.engine import EngineCoreRequestType
 
-        self._idle_stop = False
         self._idle_poke = threading.Event()  # set by a peer's want (futex wake) or close()
         self._idle_queued = False
         self.limits.on_peer_short = self._idle_poke.set
@@ -396,10 +391,10 @@ class ElasticBackend:
             while True:
                 self._idle_poke.wait(_IDLE_WATCH_S)
                 self._idle_poke.clear()
-                if self._idle_stop:
+                if self._closed:
                     return
                 try:
-                    if self._closed or self._idle_queued or core.scheduler.has_requests():
+                    if self._idle_queued or core.scheduler.has_requests():
                         continue  # a busy engine gives memory back from its own steps
                     has_cache = pool.free_block_queue.num_free_blocks > 0
                     reserve = int(self.manager.page_allocator.get_num_reserved_pages()) > 0
@@ -433,8 +428,7 @@ class ElasticBackend:
         self.fence.closed = True
         poke = getattr(self, "_idle_poke", None)
         if poke is not None:
-            self._idle_stop = True
-            poke.set()
+            poke.set()  # the watcher sees _closed and ends
         try:
             self.limits.close()
         finally:
