@@ -149,7 +149,9 @@ void PageAllocator::free_pages(const std::vector<int64_t>& ids) {
     if (!seen.insert(id).second) invalid("page " + std::to_string(id) + " appears twice in one free");
   }
   std::vector<int64_t> to_unmap;
-  size_t keep = opts_.max_reserved;
+  // A page the pre-map thread is mapping joins the reserve when done: count
+  // it, or the reserve ends one past its maximum.
+  size_t keep = opts_.max_reserved - std::min(opts_.max_reserved, premapping_);
   size_t limit = limit_pages_locked();
   for (int64_t id : ids) {
     --inuse_;
