@@ -300,7 +300,7 @@ def host_plane():
 
 def test_executor_maps_logical_pages_with_shared_physical_pages(host_plane):
     from kvcached import _C
-    from kvcached.integration.vllm.worker_tensors import PlannedExecutor
+    from kvcached.integration.vllm.worker_executor import PlannedExecutor
     from vmm_helpers import physical_bytes
 
     P = 128 * KiB
@@ -346,63 +346,66 @@ def test_executor_maps_logical_pages_with_shared_physical_pages(host_plane):
     assert state.created and state.mapped_offsets == []
 
 
-# -------------------------------------------------------------- the fence
+def test_planned_executor_maps_a_shared_physical_page_once_and_unmaps_it_with_its_last_user(monkeypatch):
+    # Through the executor's page hooks only: a recording data plane sees which
+    # physical pages each request really maps or unmaps.
+    from kvcached import vmm_ops
+    from kvcached.integration.vllm.worker_executor import PlannedExecutor
 
+    P = 128 * KiB
+    plan = KVLayoutPlan(960 * KiB, 10, 48 * KiB, 16, P, [Placement(0, 2, 480 * KiB, 48 * KiB, 48 * KiB)])
+    a, b = 0, plan.num_logical_pages - 1
+    assert set(plan.physical_pages(a)) & set(plan.physical_pages(b)) == {3}
+    calls = []
 
-def _deferred_manager(monkeypatch, host_plane):
-    from kvcached.kv_cache_manager import KVCacheManager
+    def recorder(op):
+        def call(*args):
+            offsets = next((x for x in args if isinstance(x, list)), [])
+            calls.append((op, sorted(o // P for o in offsets)))
 
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
-    # 4 blocks of 32 KiB per 128 KiB page, 2 layers.
-    host_plane.create_kv_tensors(64 * 32 * KiB, 1, "cpu", num_layers=2, num_kv_buffers=1)
-    return KVCacheManager(64, 16, 2 * KiB, 2, reserve_null_block=True, num_kv_buffers=1,
-                          defer_physical_release=True)
+        return call
 
+    for op in ("map_to_kv_tensors", "unmap_from_kv_tensors", "prepare_unmap_from_kv_tensors",
+               "commit_unmap_from_kv_tensors", "abort_unmap_from_kv_tensors"):
+        monkeypatch.setattr(vmm_ops, op, recorder(op.split("_")[0]))
+    ex = PlannedExecutor(plan)
 
-def test_fence_waits_for_every_step_that_could_read_a_freed_page(monkeypatch, host_plane):
-    from kvcached.integration.vllm.engine_core import ExecutionFence
+    assert ex.map(0, 1, [a * P]) == (1, 0)
+    assert ex.map(0, 2, [b * P]) == (1, 0)
+    assert calls == [("map", [0, 3, 4]), ("map", [6, 7])]  # the shared page 3 is mapped once
+    assert ex.physical_references()[3] == 2
+    assert ex.map(0, 2, [b * P]) == (1, 0)  # a repeated tx: answered from history
+    assert ex.map(0, 3, [a * P, b * P]) == (0, 2)  # both mapped already
+    assert len(calls) == 2
 
-    m = _deferred_manager(monkeypatch, host_plane)
-    f = ExecutionFence(m)
-    mapped = lambda: m.stats()["mapped_pages"]  # noqa: E731
+    # Releasing a keeps page 3 (b still uses it); ABORT gives the references back.
+    ex.prepare(0, 10, [a * P])
+    ex.prepare(0, 10, [a * P])  # repeated PREPARE: nothing more reaches the data plane
+    with pytest.raises(InvalidArgumentError, match="other offsets"):
+        ex.prepare(0, 10, [b * P])
+    assert calls[2:] == [("prepare", [0, 4])]
+    ex.abort(0, 10)
+    assert ex.mapped_logical_pages() == [a, b] and ex.physical_references()[3] == 2
+    ex.prepare(0, 11, [a * P])
+    ex.commit(0, 11)
+    ex.commit(0, 11)  # the data plane answers a repeated COMMIT; the references stay
+    assert calls[-3:] == [("prepare", [0, 4]), ("commit", []), ("commit", [])]
+    assert ex.mapped_logical_pages() == [b] and ex.physical_references() == {3: 1, 6: 1, 7: 1}
+    # Releasing b, the last user of page 3, releases it.
+    ex.prepare(0, 12, [b * P])
+    ex.commit(0, 12)
+    assert ("prepare", [3, 6, 7]) in calls[-2:]
+    assert ex.mapped_logical_pages() == [] and ex.physical_references() == {}
 
-    ids = m.alloc(4)  # a fresh page (page 0 holds the null block)
-    assert mapped() == 2
-    f.schedule_done()  # step 1 reads ids
-    f.schedule_done()  # step 2 submitted before step 1's output (async scheduling)
-    f.update_begin()  # step 1 finished
-    f.depth += 1
-    m.free(ids)  # the request finished in step 1's output; step 2 may still read its blocks
-    f.depth -= 1
-    f.update_end()
-    assert mapped() == 2, "released while step 2 could still read the page"
-    f.after_free()  # inside no step, but step 2 is in flight
-    assert mapped() == 2
-    f.update_begin()  # step 2 finished: nothing in flight
-    assert mapped() == 1
-    # Synchronous pattern (CPU): a page freed after the step finished goes at once.
-    ids = m.alloc(4)
-    f.schedule_done()
-    f.update_begin()
-    f.depth += 1
-    m.free(ids)
-    f.depth -= 1
-    f.update_end()
-    assert mapped() == 1
-    # A page emptied and refilled before the release stays mapped.
-    ids = m.alloc(4)
-    f.schedule_done()
-    f.schedule_done()
-    m.free(ids)
-    again = m.alloc(4)
-    f.update_begin()
-    f.update_begin()
-    assert mapped() == 2  # the reused page was kept
-    m.free(again)
-    f.after_free()
-    assert mapped() == 1
-    m.shutdown()
+    # A rolled-back MAP unmaps exactly what it mapped, once; a late repeat is refused.
+    del calls[:]
+    assert ex.map(0, 5, [a * P, b * P]) == (2, 0)
+    assert ex.rollback_map(0, 5) == 2
+    assert ex.rollback_map(0, 5) == 0
+    assert calls == [("map", [0, 3, 4, 6, 7]), ("unmap", [0, 3, 4, 6, 7])]
+    with pytest.raises(InvalidArgumentError, match="rolled back"):
+        ex.map(0, 5, [a * P])
+    assert ex.physical_references() == {}
 
 
 # --------------------------------------------------- allocate_slots rollback
@@ -419,7 +422,7 @@ class _Pool:
 def test_allocate_slots_rollback_restores_the_request_exactly():
     from collections import defaultdict
 
-    from kvcached.integration.vllm.engine_core import _rollback, _snapshot
+    from kvcached.integration.vllm.slot_rollback import rollback as _rollback, snapshot as _snapshot
 
     m = SimpleNamespace(req_to_blocks=defaultdict(list), num_cached_block={}, new_block_ids=[], _partial_hit_reqs={})
     m.req_to_blocks["r"] = ["b1", "b2"]

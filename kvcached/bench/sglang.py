@@ -181,11 +181,10 @@ def _alloc_path(a: argparse.Namespace, repeats: int = 9) -> List[Dict[str, Any]]
             rows = out.view(bs, n_in)
         cols = [rows]
         last = rows[:, -1]
-        groups = [alloc.kvcached_group] if elastic else []
         for step in range(n_out):
             r = _Result()
             if elastic:
-                scheduler_hooks.after_launch(r, groups)
+                scheduler_hooks.after_launch(r)
             assert alloc.check_decode_capacity(num_tokens=bs * ps, tree_cache=None) if elastic else \
                 alloc.available_size() >= bs * ps
             if ps == 1:
@@ -203,7 +202,7 @@ def _alloc_path(a: argparse.Namespace, repeats: int = 9) -> List[Dict[str, Any]]
             alloc.free_segments([(rows[i], 0)])
         alloc.free_group_end()
         if release:
-            scheduler_hooks.release_all(groups)  # idle: emptied pages go to the reserve, or are unmapped beyond it
+            scheduler_hooks.release_all()  # idle: emptied pages go to the reserve, or are unmapped beyond it
 
     # kvcached twice: serving steadily (the next batch follows at once: freed
     # slots and pages are reused, emptied pages beyond the mapped reserve are

@@ -24,6 +24,7 @@ does not run half patched.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
@@ -108,6 +109,24 @@ def original(fn: Callable) -> Callable:
     return fn
 
 
+def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> Callable:
+    """Replaces ``cls.name`` by ``make(original)`` and returns the wrapper.
+
+    The wrapper takes the original's name and docstring and remembers it
+    (``WRAPPED``, see ``original``), so a patch can be recognised and undone.
+    ``name`` must be defined on ``cls`` itself: wrapping an inherited method
+    would change the base class's behaviour for this class only by accident.
+    """
+    if name not in cls.__dict__:
+        raise AttributeError(f"{cls.__module__}.{cls.__qualname__} does not define {name} itself")
+    orig = cls.__dict__[name]
+    new = make(orig)
+    functools.update_wrapper(new, orig)
+    setattr(new, WRAPPED, orig)
+    setattr(cls, name, new)
+    return new
+
+
 @dataclass
 class BasePatch:
     """One small change to one engine module, valid for a range of versions.
@@ -142,6 +161,9 @@ class PatchManager:
     version: Optional[Version] = None
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _activated: bool = False
+
+    def __post_init__(self) -> None:
+        _MANAGERS[self.library] = self
 
     def register_patch(self, patch: BasePatch) -> None:
         if any(p.name == patch.name for p in self.patches):
@@ -206,6 +228,15 @@ class PatchManager:
         v = ".".join(map(str, self.version)) if self.version else "?"
         parts = [f"{k}: {', '.join(sorted(names))}" for k, names in sorted(by.items())]
         return f"kvcached for {self.library} {v} ({self.supported}): " + ("; ".join(parts) or "no patches")
+
+
+_MANAGERS: Dict[str, "PatchManager"] = {}
+
+
+def summary_of(library: str) -> str:
+    """The newest patch manager's summary for ``library`` ("" when none was made)."""
+    m = _MANAGERS.get(library)
+    return m.summary() if m is not None else ""
 
 
 def loaded(name: str) -> Optional[ModuleType]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from kvcached import _C, config
+from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError, ShutdownError
 from kvcached.kv_cache_manager import KVCacheManager
 
@@ -54,18 +55,6 @@ _managers: "weakref.WeakSet[KVCacheManager]" = weakref.WeakSet()
 _listener = None
 
 
-def default_device() -> str:
-    """cuda:<current> when torch sees a GPU, else cpu (the host backend)."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"cuda:{torch.cuda.current_device()}"
-    except Exception:  # torch without CUDA support
-        pass
-    return "cpu"
-
-
 def init(
     engine: str,
     tp_rank: int,
@@ -85,7 +74,7 @@ def init(
     global _listener
     if world_size < 1 or tp_rank < 0 or tp_rank >= world_size:
         raise InvalidArgumentError(f"tp_rank {tp_rank} is not a rank of world_size {world_size}")
-    dev = default_device() if device is None else str(device)
+    dev = normalize_device(device)
     with _lock:
         if _state.device is not None:
             if dev != _state.device:

@@ -23,23 +23,13 @@ the allocators here are written against that API, hence the ranges.
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 from typing import Any, Callable, List
 
-from kvcached.integration.patch_base import WRAPPED, BasePatch, VersionRange
+from kvcached.integration.patch_base import BasePatch, VersionRange, wrap_method
 
 SGLANG_0_5_23 = VersionRange.parse(">=0.5.23,<0.5.24")
 SUPPORTED = SGLANG_0_5_23
-
-
-def _wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
-    """Replaces ``cls.name`` by ``make(original)``, remembering the original."""
-    orig = cls.__dict__[name]
-    new = make(orig)
-    functools.update_wrapper(new, orig)
-    setattr(new, WRAPPED, orig)
-    setattr(cls, name, new)
 
 
 # --------------------------------------------------------------------- conflicts
@@ -55,7 +45,7 @@ def _apply_conflicts(mod: ModuleType) -> None:
 
         return resolve_once
 
-    _wrap_method(mod.ServerArgs, "resolve_once", make)
+    wrap_method(mod.ServerArgs, "resolve_once", make)
 
 
 # ---------------------------------------------------------------------- capacity
@@ -83,7 +73,7 @@ def _apply_capacity(mod: ModuleType) -> None:
 
         return _profile_available_bytes
 
-    _wrap_method(mod.KVCacheConfigurator, "_profile_available_bytes", make)
+    wrap_method(mod.KVCacheConfigurator, "_profile_available_bytes", make)
 
 
 # ------------------------------------------------------------------------- pools
@@ -101,7 +91,7 @@ def _apply_pools(mod: ModuleType) -> None:
 
         return _resolve_kv_pool_class
 
-    _wrap_method(mod.KVCacheConfigurator, "_resolve_kv_pool_class", make)
+    wrap_method(mod.KVCacheConfigurator, "_resolve_kv_pool_class", make)
 
 
 # -------------------------------------------------------------------- allocators
@@ -136,7 +126,7 @@ def _apply_allocators(mod: ModuleType) -> None:
 
         return _build_token_to_kv_pool_allocator
 
-    _wrap_method(mod.KVCacheConfigurator, "_build_token_to_kv_pool_allocator", make)
+    wrap_method(mod.KVCacheConfigurator, "_build_token_to_kv_pool_allocator", make)
 
 
 def _apply_swa_allocators(mod: ModuleType) -> None:
@@ -183,10 +173,10 @@ def _apply_scheduler(mod: ModuleType) -> None:
         return flush_cache
 
     cls = mod.Scheduler
-    _wrap_method(cls, "run_batch", make_run)
-    _wrap_method(cls, "process_batch_result", make_process)
-    _wrap_method(cls, "on_idle", make_idle)
-    _wrap_method(cls, "flush_cache", make_flush)
+    wrap_method(cls, "run_batch", make_run)
+    wrap_method(cls, "process_batch_result", make_process)
+    wrap_method(cls, "on_idle", make_idle)
+    wrap_method(cls, "flush_cache", make_flush)
     cls.kvcached_report = sh.kvcached_report
 
 

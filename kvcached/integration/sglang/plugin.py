@@ -21,7 +21,7 @@ import os
 import threading
 from typing import Optional
 
-from kvcached import config
+from kvcached import config, naming
 from kvcached.integration.patch_base import PatchError, PatchManager, UnsupportedVersionError
 
 logger = logging.getLogger("kvcached.integration.sglang")
@@ -64,11 +64,7 @@ def ensure_instance_name() -> str:
     engine (one record per pool and rank under it), and two engines started
     from one shell do not collide the way a process-group name would.
     """
-    name = os.environ.get("KVCACHED_IPC_NAME")
-    if not name:
-        name = f"kvcached_sglang_{os.getpid()}"
-        os.environ["KVCACHED_IPC_NAME"] = name
-    return name
+    return naming.ensure_instance_name("sglang")
 
 
 _activated_by: Optional[str] = None

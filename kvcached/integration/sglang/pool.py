@@ -20,8 +20,10 @@ One KV pool is one kvcached group with its own ``KVCacheManager`` (a block is
 one SGLang page: ``page_size`` tokens, one token at page size 1; block 0 is
 SGLang's padding slot and stays mapped) and its own shared-memory record
 (``kvctl list``/``kvctl limit``). The manager retires emptied pages instead of
-unmapping them at once; the scheduler hooks release them when no queued batch
-can read them any more (overlap scheduling, see ``scheduler_hooks``).
+unmapping them at once; the process's ``kvcached.elastic.ElasticInstance``
+(``instance()``) holds every pool, and its release fence, driven by the
+scheduler hooks, releases them when no queued batch can read them any more
+(overlap scheduling, see ``scheduler_hooks``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ import logging
 import math
 import os
 import threading
-from dataclasses import dataclass, field
-from collections import deque
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from kvcached import _C
+from kvcached import _C, naming
+from kvcached.devices import normalize_device
+from kvcached.errors import InvalidArgumentError
+from kvcached.elastic import ElasticInstance, ElasticPool
 from kvcached.integration import runtime
 from kvcached.integration.sglang import conflicts, interfaces
 from kvcached.kv_cache_manager import KVCacheManager
@@ -42,30 +45,33 @@ from kvcached.kv_cache_manager import KVCacheManager
 logger = logging.getLogger("kvcached.integration.sglang")
 
 ENGINE = "sglang"
+# How long emptied pages stay mapped (and reusable) after no batch can read
+# them any more, while the scheduler is busy: a growing decode batch or the
+# next requests usually take them back first, and mapping a page again costs
+# far more than keeping it for a moment.
+RELEASE_GRACE_S = 1.0
 
 
-@dataclass
-class ElasticGroup:
-    """One elastic pool's kvcached state (one KV group)."""
+class ElasticGroup(ElasticPool):
+    """One elastic SGLang pool (one KV group): the manager and record, plus the
+    FTensor views SGLang addresses."""
 
-    group_id: int
-    ordinal: int  # pools made in this process, 0-based
-    manager: KVCacheManager
-    page_tokens: int  # SGLang page size
-    row_bytes: int  # bytes of one token in one K (or V) buffer of one layer
-    buffer_rows: int  # rows of the FTensor views (>= size + page_size)
-    k_views: List[Any]
-    v_views: List[Any]
-    limits: Any = None  # kvcached.limits.InstanceLimits, or None
-    record_name: str = ""
-    pool_class: str = ""
-    released_pages: int = 0
-    data_ptrs: Tuple[int, ...] = field(default_factory=tuple)
-    # Allocators that keep freed slots locally (page size 1): drained before
-    # pages are released at idle or when over the limit.
-    drains: List[Callable[[], int]] = field(default_factory=list)
-    # Release markers whose batches have finished, with when (scheduler_hooks).
-    safe_markers: Deque[Tuple[int, float]] = field(default_factory=deque)
+    def __init__(self, *, group_id: int, ordinal: int, manager: KVCacheManager, page_tokens: int, row_bytes: int,
+                 buffer_rows: int, k_views: List[Any], v_views: List[Any], pool_class: str = "") -> None:
+        super().__init__(manager)
+        self.group_id = group_id
+        self.ordinal = ordinal  # pools made in this process, 0-based
+        self.page_tokens = page_tokens  # SGLang page size
+        self.row_bytes = row_bytes  # bytes of one token in one K (or V) buffer of one layer
+        self.buffer_rows = buffer_rows  # rows of the FTensor views (>= size + page_size)
+        self.k_views = k_views
+        self.v_views = v_views
+        self.record_name = self.name
+        self.pool_class = pool_class
+        self.data_ptrs: Tuple[int, ...] = tuple(t.data_ptr() for t in k_views + v_views)
+        # Allocators that keep freed slots locally (page size 1): drained before
+        # pages are released at idle or when over the limit.
+        self.drains: List[Callable[[], int]] = []
 
     @property
     def holes(self) -> int:
@@ -73,28 +79,33 @@ class ElasticGroup:
         geo = self.manager.geometry
         return geo.num_blocks - geo.num_usable_blocks
 
-    def release_retired(self, marker: int) -> int:
-        n = self.manager.release_retired_pages_through(marker)
-        self.released_pages += n
-        return n
-
     def drain(self) -> int:
         """Hands slots the allocators keep locally back to the manager."""
         return sum(d() for d in self.drains)
 
     def release_all_retired(self) -> int:
         """Releases every emptied page (only when no batch can read them)."""
-        return self.release_retired(self.manager.capture_physical_release_marker())
+        return self.release_retired_pages_through(self.capture_physical_release_marker())
 
 
 _lock = threading.RLock()
 _groups: List[ElasticGroup] = []
+_instance: Optional[ElasticInstance] = None
 
 
 def elastic_groups() -> List[ElasticGroup]:
     """The elastic pools built in this process (scheduler hooks and reports read them)."""
     with _lock:
         return list(_groups)
+
+
+def instance() -> ElasticInstance:
+    """This scheduler process's elastic runtime: every pool, one release fence."""
+    global _instance
+    with _lock:
+        if _instance is None:
+            _instance = ElasticInstance(naming.instance_name(ENGINE), grace_s=RELEASE_GRACE_S)
+        return _instance
 
 
 def is_elastic_pool(kvcache: Any) -> bool:
@@ -111,21 +122,22 @@ def is_elastic_pool(kvcache: Any) -> bool:
 def shutdown_all() -> None:
     """Closes every record and manager made here and the data plane (tests, exit)."""
     with _lock:
+        global _instance
         for g in _groups:
             g.manager.shutdown()  # removes the pool's record
         _groups.clear()
+        if _instance is not None:
+            _instance.close()
+            _instance = None
     interfaces.shutdown_kvcached()
 
 
 def _device_str(device: Any) -> str:
-    import torch
-
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
-    if dev.type == "cuda":
-        return f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
-    if dev.type == "cpu":
-        return "cpu"
-    raise conflicts.refuse(f"the KV cache is on {dev}, a device kvcached has no backend for", "use a CUDA or CPU device")
+    try:
+        return normalize_device(device)
+    except InvalidArgumentError:
+        raise conflicts.refuse(f"the KV cache is on {device}, a device kvcached has no backend for",
+                               "use a CUDA or CPU device") from None
 
 
 def _parallel_ranks() -> Tuple[int, int, int]:
@@ -158,13 +170,9 @@ def buffer_rows(rows: int, page_tokens: int, row_bytes: int, kv_page_bytes: int)
 def _record_base_name(tp_rank: int, pp_rank: int) -> str:
     """KVCACHED_IPC_NAME (set by the launching process), plus _pp<p>/_tp<r> for
     ranks other than 0: every TP/PP rank runs its own scheduler and pool."""
-    from kvcached.limits import instance_name, read_record
+    from kvcached.limits import read_record
 
-    base = instance_name(ENGINE)
-    if pp_rank:
-        base += f"_pp{pp_rank}"
-    if tp_rank:
-        base += f"_tp{tp_rank}"
+    base = naming.rank_name(naming.instance_name(ENGINE), tp_rank, pp_rank)
     try:
         rec = read_record(base)
     except Exception:  # no such record: the name is free
@@ -219,16 +227,13 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
             num_blocks, ps, row_bytes, int(pool.layer_num), True, kv, gid, 1,
             defer_physical_release=True, own_segment=True, pool_name=_record_base_name(tp_rank, pp_rank),
         )
-        limits, name = mgr.limits, mgr.pool_name
-        k_views = [t[:rows] for t in k_full]
-        v_views = [t[:rows] for t in v_full]
         grp = ElasticGroup(
-            group_id=gid, ordinal=ordinal, manager=mgr, page_tokens=ps, row_bytes=row_bytes,
-            buffer_rows=t_rows, k_views=k_views, v_views=v_views, limits=limits, record_name=name,
-            pool_class=type(pool).__name__,
-            data_ptrs=tuple(t.data_ptr() for t in k_views + v_views),
+            group_id=gid, ordinal=ordinal, manager=mgr, page_tokens=ps, row_bytes=row_bytes, buffer_rows=t_rows,
+            k_views=[t[:rows] for t in k_full], v_views=[t[:rows] for t in v_full], pool_class=type(pool).__name__,
         )
         _groups.append(grp)
+        instance().add_pool(grp)
+        name = grp.record_name
     virt = mgr.geometry.num_pages * mgr.bytes_per_page
     from kvcached.integration.sglang.plugin import activated_by
 

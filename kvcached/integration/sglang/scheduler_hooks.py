@@ -1,5 +1,9 @@
 """What the SGLang scheduler does for kvcached between batches.
 
+The policy is ``kvcached.elastic`` (one ``ElasticInstance`` per scheduler
+process: the release fence, wants, idle give-back, the prefix-cache bound);
+this module translates SGLang's scheduler events and radix cache into it.
+
 Deferred physical release (overlap scheduling). SGLang's overlap loop launches
 batch N+1 before it processes the result of batch N, and requests that finish
 in N are freed while N+1, which may still carry them, runs on the device. A
@@ -7,16 +11,15 @@ native pool only recycles the slots; kvcached would unmap the memory under
 N+1's kernels (``cuMemUnmap`` does not wait for them). So emptied pages are
 only retired (they stay mapped and reusable), and released as follows:
 
-* right after a batch is launched, a release marker is captured and stored on
-  its result: it covers every page emptied before the launch;
+* right after a batch is launched, the fence captures a release marker and
+  the step number is stored on its result;
 * when that result has been processed, the batch and every earlier one have
-  finished (results are processed in launch order, after their device work),
-  so the pages retired before the marker cannot be read any more: they may be
-  released;
+  finished (results are processed in launch order, after their device work):
+  pages emptied before the next launched batch's marker cannot be read any
+  more and may be released (``kvcached.elastic.fence``);
 * while serving, they are released once that has been true for
-  ``RELEASE_GRACE_S``: a growing decode batch or the next requests usually
-  take them back first, and mapping a page again costs far more than keeping
-  it for a moment (the device's other instances wait at most that long);
+  ``pool.RELEASE_GRACE_S`` (the device's other instances wait at most that
+  long);
 * when the scheduler is idle (nothing in flight), after ``flush_cache`` and
   while a pool maps more than its limit, everything safe is released at once.
 
@@ -24,7 +27,7 @@ The same order holds for the non-overlap loop (launch, then process).
 
 Prefix-cache bound: after each batch, if the radix cache holds more than
 ``KVCACHED_MAX_CACHED_TOKENS`` tokens, unlocked entries are evicted (LRU, by
-SGLang's own policy) until it holds at most that many or nothing is evictable.
+SGLang's own policy) down to 90% of the bound (``kvcached.elastic.cache_bound``).
 
 Sharing the device budget. While requests wait and the device budget (not
 this instance's limit) stops the pool from growing, the want is published in
@@ -45,75 +48,39 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict
 
-from kvcached.integration.sglang.pool import ElasticGroup, elastic_groups
+from kvcached.elastic import IdleAction, cache_excess_tokens
+from kvcached.elastic.cache_bound import max_cached_tokens
+from kvcached.integration.sglang.pool import elastic_groups, instance
 
 logger = logging.getLogger("kvcached.integration.sglang")
 
-ENV_MAX_CACHED_TOKENS = "KVCACHED_MAX_CACHED_TOKENS"
-_MARKERS = "_kvcached_release_markers"
-# How long emptied pages stay mapped (and reusable) after no batch can read
-# them any more, while the scheduler is busy.
-RELEASE_GRACE_S = 1.0
-
-# How often an idle scheduler reads the peers' records for a want.
-PEER_CHECK_S = 0.5
+_STEP = "_kvcached_step"
 
 # Counters for kvcached_report (this process).
 _stats: Dict[str, int] = {"batches": 0, "idle_turns": 0, "cache_bound_evicted_tokens": 0, "limit_evicted_tokens": 0,
                           "flushes": 0, "peer_evicted_tokens": 0}
-_next_peer_check = [0.0]
-# Set on a limits watcher thread when a peer publishing a want wakes our record.
-_peer_poke = threading.Event()
 
 
-def max_cached_tokens() -> Optional[int]:
-    """KVCACHED_MAX_CACHED_TOKENS as a token count (None: unbounded); ValueError names the fix."""
-    raw = os.environ.get(ENV_MAX_CACHED_TOKENS, "").strip()
-    if not raw:
-        return None
-    try:
-        n = int(raw, 0)
-    except ValueError:
-        raise ValueError(f"{ENV_MAX_CACHED_TOKENS}={raw!r} is not an integer number of tokens; unset it or use e.g. 65536") from None
-    if n < 0:
-        raise ValueError(f"{ENV_MAX_CACHED_TOKENS}={raw!r} is negative; use 0 or more tokens")
-    return n
-
-
-def after_launch(result: Any, groups: Optional[List[ElasticGroup]] = None) -> None:
-    """Stores on ``result`` one release marker per pool (pages emptied before this launch)."""
-    groups = elastic_groups() if groups is None else groups
-    if not groups or result is None:
+def after_launch(result: Any) -> None:
+    """Right after a batch is launched: its step number goes on ``result``."""
+    if result is None or not elastic_groups():
         return
-    markers = tuple((g, g.manager.capture_physical_release_marker()) for g in groups)
-    setattr(result, _MARKERS, markers)
+    setattr(result, _STEP, instance().fence.launched())
 
 
 def after_result(scheduler: Any, result: Any) -> None:
     """The batch of ``result`` and all earlier ones have finished: release, then bound the cache."""
     _stats["batches"] += 1
-    markers: Tuple[Tuple[ElasticGroup, int], ...] = getattr(result, _MARKERS, ()) if result is not None else ()
-    now = time.monotonic()
-    for g, m in markers:
-        g.safe_markers.append((m, now))
-        release_safe(g, now - RELEASE_GRACE_S)
+    step = getattr(result, _STEP, None) if result is not None else None
+    if step is not None:
+        instance().fence.finished(step)
     tree = getattr(scheduler, "tree_cache", None)
     bound_prefix_cache(tree)
     shrink_to_limits(tree)
     note_waiting(scheduler)
-
-
-def release_safe(g: ElasticGroup, finished_by: float = float("inf")) -> int:
-    """Releases the pages retired before the newest marker whose batch finished by ``finished_by``."""
-    q = g.safe_markers
-    last = None
-    while q and q[0][1] <= finished_by:
-        last = q.popleft()[0]
-    return g.release_retired(last) if last is not None else 0
 
 
 def nothing_in_flight(scheduler: Any) -> bool:
@@ -131,43 +98,30 @@ def on_idle(scheduler: Any) -> None:
 
 
 def note_waiting(scheduler: Any) -> bool:
-    """Requests wait: tells each pool's limits, which publish a want when the
-    device budget is what stops them (rate-limited there); none wait: a want
-    is withdrawn. Returns whether requests wait."""
+    """Requests wait: the pools' limits publish a want when the device budget
+    is what stops them (rate-limited there); none wait: the want is withdrawn.
+    Returns whether requests wait."""
     waiting = bool(len(getattr(scheduler, "waiting_queue", None) or ()))
-    for g in elastic_groups():
-        if g.limits is not None:
-            if waiting:
-                g.limits.note_shortage()
-            else:
-                g.limits.clear_want()
+    inst = instance()
+    if waiting:
+        inst.note_shortage()
+    inst.end_step()
     return waiting
 
 
 def give_back_to_peers(tree_cache: Any) -> int:
     """Idle: when a peer sharing the device budget wants memory, evicts the
     unlocked prefix cache and returns the emptied pages, the mapped reserve
-    and unused budget. Reads the peers' records every PEER_CHECK_S, and at
-    once when a peer's want woke one of our records. Returns tokens evicted."""
-    now = time.monotonic()
-    if now < _next_peer_check[0] and not _peer_poke.is_set():
-        return 0
-    _next_peer_check[0] = now + PEER_CHECK_S
-    _peer_poke.clear()
-    groups = [g for g in elastic_groups() if g.limits is not None and g.limits.budget is not None]
-    for g in groups:
-        g.limits.on_peer_short = _peer_poke.set
-    wanted = [g for g in groups if g.limits.budget.wanting(g.limits.name)]
-    if not wanted:
+    and unused budget. Returns tokens evicted."""
+    inst = instance()
+    if not inst.idle_action() & IdleAction.GIVE_TO_PEERS:
         return 0
     n = 0
-    if tree_cache is not None and tree_cache.supports_prefix_sharing() and tree_cache.evictable_size() > 0:
+    if _has_cache(tree_cache) and tree_cache.evictable_size() > 0:
         n = _evict(tree_cache, tree_cache.evictable_size())
         _stats["peer_evicted_tokens"] += n
     release_all()
-    for g in wanted:
-        g.manager.trim()
-        g.limits.release_slack(0)
+    inst.give_back()
     return n
 
 
@@ -177,24 +131,24 @@ def after_flush(scheduler: Any, success: Any) -> None:
         release_all()
 
 
-def release_all(groups: Optional[List[ElasticGroup]] = None) -> int:
+def release_all() -> int:
     """Nothing in flight: spare slots back to the managers, every emptied page released."""
-    n = 0
-    for g in elastic_groups() if groups is None else groups:
+    for g in elastic_groups():
         g.drain()
-        g.safe_markers.clear()
-        n += g.release_all_retired()
-    return n
+    return instance().fence.idle()
+
+
+def _has_cache(tree_cache: Any) -> bool:
+    return tree_cache is not None and tree_cache.supports_prefix_sharing()
 
 
 def bound_prefix_cache(tree_cache: Any) -> int:
     """Evicts unlocked prefix-cache entries above KVCACHED_MAX_CACHED_TOKENS; returns tokens evicted."""
     bound = max_cached_tokens()
-    if bound is None or tree_cache is None or not tree_cache.supports_prefix_sharing():
+    if bound is None or not _has_cache(tree_cache):
         return 0
     evictable = int(tree_cache.evictable_size())
-    cached = evictable + int(tree_cache.protected_size())
-    excess = min(cached - bound, evictable)
+    excess = cache_excess_tokens(evictable + int(tree_cache.protected_size()), evictable, bound)
     if excess <= 0:
         return 0
     n = _evict(tree_cache, excess)
@@ -210,36 +164,23 @@ def _evict(tree_cache: Any, num_tokens: int) -> int:
     return int(getattr(res, "num_tokens_evicted", 0) or 0)
 
 
-def _live_page_bytes(g: ElasticGroup) -> int:
-    """Bytes of the pages that still hold a block (emptied, retired pages excluded)."""
-    occ = g.manager.get_page_occupancy()
-    return sum(1 for n in occ.values() if n > 0) * g.manager.bytes_per_page
-
-
 def shrink_to_limits(tree_cache: Any) -> int:
     """Evicts unlocked prefix-cache entries while a pool maps more than its limit; returns tokens evicted."""
-    if tree_cache is None or not tree_cache.supports_prefix_sharing():
+    if not _has_cache(tree_cache):
         return 0
     evicted = 0
     for g in elastic_groups():
-        lim = g.limits
-        if lim is None:
-            continue
-        limit = int(lim.limit)
-        mapped = g.manager.page_allocator.get_num_mapped_pages() * g.manager.bytes_per_page
-        if limit < 0 or mapped <= limit:
+        if g.pages_over_limit() <= 0:
             continue
         g.drain()  # spare slots may be all that keeps some pages
-        release_safe(g)  # no grace period over the limit
-        if tree_cache.evictable_size() <= 0:
-            continue
-        if _live_page_bytes(g) <= limit:
+        instance().fence.release_due(grace_s=0.0)  # no grace period over the limit
+        if tree_cache.evictable_size() <= 0 or g.live_pages_over_limit() <= 0:
             continue  # only emptied pages or the reserve are over: released/trimmed without evicting
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         res = tree_cache.evict_for_alloc(
             EvictParams(num_tokens=tree_cache.evictable_size()),
-            allocation_reclaim_satisfied=lambda g=g, limit=limit: _live_page_bytes(g) <= limit,
+            allocation_reclaim_satisfied=lambda g=g: g.live_pages_over_limit() <= 0,
         )
         n = int(getattr(res, "num_tokens_evicted", 0) or 0)
         evicted += n

@@ -24,7 +24,7 @@ and go to:
   ``allocate_slots`` patch turns into None after rolling the call back.
 
 Memory return: the prefix cache is bounded by ``KVCACHED_MAX_CACHED_TOKENS``
-(default: unbounded, like vLLM), and when the instance maps more than its
+(default: unbounded, like vLLM; ``kvcached.elastic.cache_bound``), and when the instance maps more than its
 limit allows (``kvctl limit`` lowered it) cached blocks are evicted. For both,
 victims whose eviction empties a whole page go first: a page with one cached
 block left cannot be unmapped, so evicting scattered blocks returns nothing.
@@ -34,16 +34,18 @@ A plain allocation shortage evicts pure LRU (the slots are reused at once).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Dict, Iterable, List
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from kvcached.elastic import IdleAction, cache_excess_tokens
+from kvcached.elastic.cache_bound import max_cached_tokens
+from kvcached.integration.vllm.backend import VllmBackend, take_pool_context
+
 logger = logging.getLogger("vllm.kvcached")
 
-ENV_MAX_CACHED_TOKENS = "KVCACHED_MAX_CACHED_TOKENS"
 # How often (at most) the pool looks for cached pages to give back while the
 # instance maps more than its limit: a scan walks the evictable queue.
 _RETURN_SCAN_INTERVAL_S = 0.1
@@ -58,20 +60,6 @@ class PoolShortage(Exception):
     """Memory vanished between the free-block count and the allocation."""
 
 
-def max_cached_tokens() -> int:
-    """KVCACHED_MAX_CACHED_TOKENS as an int; -1 (unbounded) when unset."""
-    raw = os.environ.get(ENV_MAX_CACHED_TOKENS, "").strip()
-    if not raw:
-        return -1
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_MAX_CACHED_TOKENS}={raw!r} is not an integer number of tokens") from None
-    if v < -1:
-        raise ValueError(f"{ENV_MAX_CACHED_TOKENS}={raw!r}: use a token count >= 0, or -1 for unbounded")
-    return v
-
-
 class ElasticBlockPool(BlockPool):
     """A BlockPool whose free blocks live in a kvcached ``KVCacheManager``.
 
@@ -82,9 +70,7 @@ class ElasticBlockPool(BlockPool):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> BlockPool:
-        from kvcached.integration.vllm import engine_core
-
-        ctx = engine_core.take_pool_context()
+        ctx = take_pool_context()
         if ctx is None:
             return BlockPool(*args, **kwargs)
         self = super().__new__(cls)
@@ -95,15 +81,13 @@ class ElasticBlockPool(BlockPool):
         # The constructor's parameters differ between vLLM versions (0.33 adds
         # num_hash_lookahead_tokens): forward them untouched.
         super().__init__(*args, **kwargs)
-        from kvcached.integration.vllm import engine_core
-
         ctx = self.__dict__.pop("_kvcached_ctx")
         # Every block but the null one starts free in the ledger, so the
         # evictable queue starts empty (and unlinked from vLLM's full queue).
         for b in self.blocks:
             b.prev_free_block = b.next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
-        self.backend = engine_core.ElasticBackend.create(ctx, self.num_gpu_blocks)
+        self.backend = VllmBackend.create(ctx, self.num_gpu_blocks)
         self.manager = self.backend.manager
         self._n_out = 0  # blocks handed out by the manager (in use or evictable), null excluded
         self._max_cached = max_cached_tokens()
@@ -112,10 +96,15 @@ class ElasticBlockPool(BlockPool):
         self._avail = 0
         self._avail_until = 0.0  # perf_counter() until which _avail may be reused
         self._low_blocks = _LOW_PAGES * self.manager.geometry.max_blocks_per_page
+        self._resetting = False  # inside reset_prefix_cache (see there)
 
     # ------------------------------------------------------------ capacity
 
     def get_num_free_blocks(self) -> int:
+        if self._resetting:
+            # vLLM's own reset checks "every block but the null one is free",
+            # which in its accounting means nothing is in use (checked before).
+            return self.num_gpu_blocks - 1
         # vLLM asks once per running request per step, plus stats. The
         # manager's answer (which reads the device budget of every instance)
         # is kept and moved by this pool's own allocations and frees; what
@@ -211,7 +200,7 @@ class ElasticBlockPool(BlockPool):
             self.free_block_queue.append_n(to_cache)
         if to_ledger:
             self._give_back(to_ledger)
-        if to_cache and self._max_cached >= 0:
+        if to_cache and self._max_cached is not None:
             self._bound_cache()
         for pool, blocks in other_pools.items():
             pool.free_blocks(blocks)
@@ -235,8 +224,13 @@ class ElasticBlockPool(BlockPool):
             logger.warning("Failed to reset prefix cache because some blocks (%d) are not freed yet", in_use)
             return False
         cached = self.free_block_queue.get_all_free_blocks()
-        if not super_reset(self):
-            return False
+        # vLLM's own reset of hashes, reuse watchers, metrics and events.
+        self._resetting = True
+        try:
+            if not super().reset_prefix_cache():
+                return False
+        finally:
+            self._resetting = False
         self.free_block_queue = FreeKVCacheBlockQueue([])
         for b in cached:
             b.prev_free_block = b.next_free_block = None
@@ -257,10 +251,8 @@ class ElasticBlockPool(BlockPool):
 
     def _bound_cache(self) -> None:
         cached = self.free_block_queue.num_free_blocks * self._block_tokens
-        if cached > self._max_cached:
-            # Down to 90% of the bound, so that the next frees do not walk the
-            # queue again at once.
-            excess = cached - self._max_cached * 9 // 10
+        excess = cache_excess_tokens(cached, cached, self._max_cached)
+        if excess:
             self.evict_cached(-(-excess // self._block_tokens), whole_pages_first=True)
 
     def _maybe_return_memory(self) -> None:
@@ -313,41 +305,26 @@ class ElasticBlockPool(BlockPool):
         self._give_back([b.block_id for b in victims])
         return len(victims)
 
-    def idle_return_memory(self, wanting: List[str]) -> None:
+    def idle_return_memory(self, act: IdleAction) -> None:
         """On the EngineCore thread while the engine is idle: evicts cached
         whole pages over the limit, or all of them (and the mapped reserve)
-        when peers sharing the device budget (``wanting``) want memory."""
-        pa = self.manager.page_allocator
-        before = int(pa.get_num_mapped_pages())
-        if self.backend.pages_over_limit() > 0:
+        when peers sharing the device budget want memory."""
+        before = self.backend.pool.mapped_pages()
+        if act & IdleAction.SHRINK_TO_LIMIT:
             self._next_return_scan = 0.0
             self._maybe_return_memory()
-        if wanting:
+        if act & IdleAction.GIVE_TO_PEERS:
             self.evict_cached(self.free_block_queue.num_free_blocks, whole_pages_first=True, only_whole_pages=True)
-            self.manager.trim()
-            limits = self.manager.limits
-            if limits is not None:
-                limits.release_slack(0)
-        given = before - int(pa.get_num_mapped_pages())
+        self.backend.instance.give_back()
+        given = before - self.backend.pool.mapped_pages()
         if given > 0:
-            logger.info("kvcached: idle %s gave back %d of %d mapped pages (%s)", self.backend.name, given, before,
-                        f"wanted by {', '.join(wanting)}" if wanting else "over its limit")
+            why = "wanted by a peer" if act & IdleAction.GIVE_TO_PEERS else "over its limit"
+            logger.info("kvcached: idle %s gave back %d of %d mapped pages (%s)", self.backend.name, given, before, why)
         self._avail_until = 0.0
 
     def close(self) -> None:
         """Closes the kvcached side (record, connections); the engine is shutting down."""
         self.backend.close()
-
-
-def super_reset(pool: ElasticBlockPool) -> bool:
-    """vLLM's own reset of hashes, reuse watchers, metrics and events, run once
-    no block is in use (its in-use check counts free blocks, which here would
-    be the allocatable ones, so it is bypassed by the check above)."""
-    pool.get_num_free_blocks = lambda: pool.num_gpu_blocks - 1  # type: ignore[method-assign]
-    try:
-        return BlockPool.reset_prefix_cache(pool)
-    finally:
-        del pool.get_num_free_blocks
 
 
 def patch_coordinator_module(module: Any) -> None:

@@ -17,7 +17,7 @@ the FTensor pages that hold those blocks' bytes in every layer and tensor:
 in LBHNC with page-aligned layer regions that is one page per layer, in
 BLHNC ``num_layers`` consecutive pages. Regions that are not page aligned make
 neighbouring logical pages share a physical page; the worker counts
-references for that (``worker_tensors``).
+references for that (``worker_executor``).
 
 Pure arithmetic on plain attributes: no vLLM or torch import, so the same
 plan is built in the scheduler and in every worker and tested without vLLM.

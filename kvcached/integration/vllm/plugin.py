@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import threading
 import weakref
 from typing import Optional
 
-from kvcached import autopatch
+from kvcached import autopatch, naming
 from kvcached.integration.patch_base import PatchManager
 from kvcached.integration.vllm import versions
 
@@ -72,11 +71,7 @@ def manager() -> PatchManager:
 
 def ensure_instance_name() -> str:
     """KVCACHED_IPC_NAME, set to ``kvcached_vllm_<pid>`` by the first process if unset."""
-    name = os.environ.get("KVCACHED_IPC_NAME")
-    if not name:
-        name = f"kvcached_vllm_{os.getpid()}"
-        os.environ["KVCACHED_IPC_NAME"] = name
-    return name
+    return naming.ensure_instance_name("vllm")
 
 
 def activate() -> None:
@@ -99,7 +94,7 @@ def activate() -> None:
 
 def _cleanup_at_exit(name: str) -> None:
     try:
-        from kvcached.integration.vllm.engine_core import cleanup_instance
+        from kvcached.elastic.cleanup import cleanup_instance
 
         cleanup_instance(name)
     except Exception as e:  # exiting anyway: the next start cleans up

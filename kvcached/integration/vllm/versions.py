@@ -38,45 +38,45 @@ def _block_pool(module: ModuleType) -> None:
 
 
 def _scheduler(module: ModuleType) -> None:
-    from kvcached.integration.vllm import engine_core
+    from kvcached.integration.vllm import scheduler_patches
 
-    engine_core.patch_scheduler_module(module)
+    scheduler_patches.patch_scheduler_module(module)
 
 
 def _engine_core(module: ModuleType) -> None:
-    from kvcached.integration.vllm import engine_core
+    from kvcached.integration.vllm import scheduler_patches
 
-    engine_core.patch_engine_core_module(module)
+    scheduler_patches.patch_engine_core_module(module)
 
 
 def _allocate_slots(module: ModuleType) -> None:
-    from kvcached.integration.vllm import engine_core
+    from kvcached.integration.vllm import scheduler_patches
 
-    engine_core.patch_kv_cache_manager_module(module)
+    scheduler_patches.patch_kv_cache_manager_module(module)
 
 
 def _worker_utils(module: ModuleType) -> None:
-    from kvcached.integration.vllm import worker_tensors
+    from kvcached.integration.vllm import worker_kv
 
-    worker_tensors.patch_allocate_kv_cache(module)
+    worker_kv.patch_allocate_kv_cache(module, ALLOCATE_KV_CACHE_IMPORTERS)
 
 
 def _cpu_worker(module: ModuleType) -> None:
-    from kvcached.integration.vllm import worker_tensors
+    from kvcached.integration.vllm import worker_capacity
 
-    worker_tensors.patch_cpu_worker_capacity(module)
+    worker_capacity.patch_cpu_worker_capacity(module)
 
 
 def _gpu_worker(module: ModuleType) -> None:
-    from kvcached.integration.vllm import worker_tensors
+    from kvcached.integration.vllm import worker_capacity
 
-    worker_tensors.patch_gpu_worker_capacity(module)
+    worker_capacity.patch_gpu_worker_capacity(module)
 
 
 def _cpu_worker_startup_check_0_32(module: ModuleType) -> None:
-    from kvcached.integration.vllm import worker_tensors
+    from kvcached.integration.vllm import worker_capacity
 
-    worker_tensors.patch_cpu_worker_init_capacity(module)
+    worker_capacity.patch_cpu_worker_init_capacity(module)
 
 
 def all_patches() -> List[BasePatch]:
@@ -157,8 +157,8 @@ def all_patches() -> List[BasePatch]:
 
 def _by_name_patcher():
     def apply(module: ModuleType) -> None:
-        from kvcached.integration.vllm import worker_tensors
+        from kvcached.integration.vllm import worker_kv
 
-        worker_tensors.rebind_allocate_kv_cache(module)
+        worker_kv.rebind_allocate_kv_cache(module)
 
     return apply

@@ -1,0 +1,175 @@
+"""ElasticInstance: the kvcached side of one engine instance, engine-neutral.
+
+It holds the instance's pools (one per KV group), the release fence, and the
+two ways memory moves between instances sharing a device budget:
+
+* **Wants.** A step that could not place a request because the device budget
+  (not the instance's own limit) is exhausted publishes the bytes it lacks in
+  the instance's record (``note_shortage``; rate-limited by the limits). A step
+  that placed everything it tried withdraws the want (``end_step``). A want not
+  renewed for 2 s is ignored by peers (a stuck or killed owner).
+* **Idle give-back.** A busy engine returns memory from its own steps. An idle
+  one runs no step, yet its prefix cache may hold pages a loaded peer wants,
+  or a lowered limit may not be enforced yet. ``idle_action()`` says what to
+  do: nothing, shrink to the limit, or give the cache back to wanting peers.
+  The engine adapter does the engine-specific part (evicting its prefix
+  cache), then calls ``give_back()``. Engines whose idle loop runs no code
+  start ``IdleWatcher``, which wakes every ``peer_check_s`` and at once when a
+  peer's want wakes one of this instance's records.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from typing import Callable, List, Optional
+
+from kvcached.elastic.fence import ReleaseFence
+from kvcached.elastic.pool import ElasticPool
+
+logger = logging.getLogger("kvcached.elastic")
+
+# How often an idle instance reads its peers' records for a want (at once when poked).
+PEER_CHECK_S = 0.5
+
+
+class IdleAction(enum.Flag):
+    NONE = 0
+    SHRINK_TO_LIMIT = enum.auto()  # a pool maps more than its limit
+    GIVE_TO_PEERS = enum.auto()  # a peer sharing the device budget wants memory
+
+
+class ElasticInstance:
+    """Pools, fence and want state of one engine instance."""
+
+    def __init__(self, name: str, pools: Optional[List[ElasticPool]] = None, *, grace_s: float = 0.0,
+                 peer_check_s: float = PEER_CHECK_S) -> None:
+        self.name = name
+        self.pools: List[ElasticPool] = []
+        self.fence = ReleaseFence(lambda: self.pools, grace_s=grace_s)
+        self.peer_check_s = float(peer_check_s)
+        # Set by a peer publishing a want (the limits' futex watcher) and by close().
+        self.poke = threading.Event()
+        self.closed = False
+        self._missed_in_step = False
+        self._next_peer_check = 0.0
+        self._watcher: Optional[IdleWatcher] = None
+        for p in pools or ():
+            self.add_pool(p)
+
+    def add_pool(self, pool: ElasticPool) -> ElasticPool:
+        self.pools.append(pool)
+        if pool.limits is not None:
+            pool.limits.on_peer_short = self.poke.set
+        return pool
+
+    # ---- wants ------------------------------------------------------------------
+
+    def note_shortage(self) -> None:
+        """A request could not get memory in this step: tell peers if the budget is why."""
+        self._missed_in_step = True
+        for p in self.pools:
+            p.note_shortage()
+
+    def end_step(self) -> None:
+        """After each step: a step without a shortage withdraws the want, so idle peers keep their cache."""
+        if self._missed_in_step:
+            self._missed_in_step = False
+        else:
+            for p in self.pools:
+                p.clear_want()
+
+    def peers_wanting(self) -> List[str]:
+        names: List[str] = []
+        for p in self.pools:
+            names += [n for n in p.peers_wanting() if n not in names]
+        return names
+
+    # ---- idle give-back -----------------------------------------------------------
+
+    def pages_over_limit(self) -> int:
+        return sum(p.pages_over_limit() for p in self.pools)
+
+    def idle_action(self, check_peers: bool = True) -> IdleAction:
+        """What an idle instance should do now. Peers' records are read at most
+        every ``peer_check_s`` unless a peer's want poked this instance."""
+        act = IdleAction.NONE
+        if self.pages_over_limit() > 0:
+            act |= IdleAction.SHRINK_TO_LIMIT
+        if check_peers:
+            now = time.monotonic()
+            if now >= self._next_peer_check or self.poke.is_set():
+                self._next_peer_check = now + self.peer_check_s
+                self.poke.clear()
+                if self.peers_wanting():
+                    act |= IdleAction.GIVE_TO_PEERS
+        return act
+
+    def give_back(self) -> int:
+        """Idle, after the adapter evicted what it wanted to: releases every
+        emptied page (when no step is in flight), the mapped reserve and unused
+        budget. Returns the pages given back."""
+        before = sum(p.mapped_pages() for p in self.pools)
+        if self.fence.in_flight <= 0:
+            self.fence.idle()
+        for p in self.pools:
+            p.give_back()
+        return before - sum(p.mapped_pages() for p in self.pools)
+
+    def start_idle_watch(self, busy: Callable[[], bool], has_memory: Callable[[], bool],
+                         schedule: Callable[[IdleAction], None]) -> "IdleWatcher":
+        """Starts a thread for engines whose idle loop runs none of our code."""
+        self._watcher = IdleWatcher(self, busy, has_memory, schedule)
+        self._watcher.start()
+        return self._watcher
+
+    def close(self) -> None:
+        """Stops the watcher; later releases are no-ops. Records and managers are
+        closed by their owners (the adapter)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.fence.closed = True
+        self.poke.set()
+
+
+class IdleWatcher(threading.Thread):
+    """Wakes every ``peer_check_s`` (or when poked); when the engine is idle,
+    holds memory and ``idle_action()`` asks for something, hands the action to
+    ``schedule`` (which runs it on the engine's own thread) and waits until the
+    previous one ran (``done()``)."""
+
+    def __init__(self, inst: ElasticInstance, busy: Callable[[], bool], has_memory: Callable[[], bool],
+                 schedule: Callable[[IdleAction], None]) -> None:
+        super().__init__(name=f"kvcached-idle-{inst.name}", daemon=True)
+        self.inst = inst
+        self.busy = busy
+        self.has_memory = has_memory
+        self.schedule = schedule
+        self.queued = False
+        self._warned = False
+
+    def done(self) -> None:
+        """The scheduled action ran (call from the engine thread)."""
+        self.queued = False
+
+    def run(self) -> None:
+        inst = self.inst
+        while True:
+            inst.poke.wait(inst.peer_check_s)
+            if inst.closed:
+                return
+            try:
+                if self.queued or self.busy() or not self.has_memory():
+                    continue  # a busy engine gives memory back from its own steps
+                inst._next_peer_check = 0.0  # this thread is the rate limit
+                act = inst.idle_action()
+                if act:
+                    self.queued = True
+                    self.schedule(act)
+            except Exception as e:  # keep watching; say it once
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("kvcached: idle memory watcher of %s: %s: %s", inst.name, type(e).__name__, e)

@@ -1,0 +1,89 @@
+"""ElasticPool: one KV group's ledger and the limits it answers to.
+
+The ``KVCacheManager`` hands out blocks over kvcached pages; the instance
+limits (``kvcached.limits.InstanceLimits``, the pool's record in /dev/shm)
+say how much it may map: the operator's ``kvctl limit`` and the device budget
+shared with the other instances. This class answers the questions both
+engines' adapters ask of that pair.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+
+class ElasticPool:
+    """A manager and its (optional) instance limits."""
+
+    def __init__(self, manager: Any, limits: Any = None, name: str = "") -> None:
+        self.manager = manager
+        self.limits = limits if limits is not None else getattr(manager, "limits", None)
+        self.name = name or (self.limits.name if self.limits is not None else getattr(manager, "pool_name", ""))
+        self.bytes_per_page = int(manager.bytes_per_page)
+        self.released_pages = 0  # emptied pages released through this pool (deferred release)
+
+    # ---- deferred release (the fence drives these) --------------------------
+
+    def capture_physical_release_marker(self) -> int:
+        return int(self.manager.capture_physical_release_marker())
+
+    def release_retired_pages_through(self, marker: int) -> int:
+        n = int(self.manager.release_retired_pages_through(marker) or 0)
+        self.released_pages += n
+        return n
+
+    # ---- what the pool maps -------------------------------------------------
+
+    def mapped_pages(self) -> int:
+        return int(self.manager.page_allocator.get_num_mapped_pages())
+
+    def live_pages(self) -> int:
+        """Pages that still hold a block (emptied, retired or parked pages excluded)."""
+        return sum(1 for n in self.manager.get_page_occupancy().values() if n > 0)
+
+    def limit_bytes(self) -> Optional[int]:
+        """The operator's limit, or None when the pool has no record or no limit."""
+        if self.limits is None:
+            return None
+        limit = int(self.limits.limit)
+        return None if limit < 0 else limit
+
+    def pages_over_limit(self) -> int:
+        """Pages mapped beyond the limit (a lowered ``kvctl limit``); 0 when within it."""
+        limit = self.limit_bytes()
+        if limit is None:
+            return 0
+        over = self.mapped_pages() * self.bytes_per_page - limit
+        return -(-over // self.bytes_per_page) if over > 0 else 0
+
+    def live_pages_over_limit(self) -> int:
+        """Pages with live blocks beyond the limit: only evicting cached blocks can return these."""
+        limit = self.limit_bytes()
+        if limit is None:
+            return 0
+        over = self.live_pages() * self.bytes_per_page - limit
+        return -(-over // self.bytes_per_page) if over > 0 else 0
+
+    # ---- peers sharing the device budget -------------------------------------
+
+    def peers_wanting(self) -> List[str]:
+        """Other live instances of the device budget whose load misses memory now."""
+        budget = None if self.limits is None else self.limits.budget
+        return [] if budget is None else [r.name for r in budget.wanting(exclude=self.limits.name)]
+
+    def note_shortage(self) -> None:
+        if self.limits is not None:
+            self.limits.note_shortage()
+
+    def clear_want(self) -> None:
+        if self.limits is not None:
+            self.limits.clear_want()
+
+    # ---- giving memory back -------------------------------------------------
+
+    def give_back(self) -> None:
+        """Returns what holds no block: the mapped reserve, parked pages and unused budget.
+        (Emptied pages a step may still read are the fence's, not this.)"""
+        self.manager.trim()
+        if self.limits is not None:
+            self.limits.release_slack(0)

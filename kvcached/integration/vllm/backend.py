@@ -1,0 +1,179 @@
+"""The scheduler-side kvcached state of one vLLM instance (EngineCore process).
+
+While vLLM's ``Scheduler`` is being built, its coordinator constructs the
+``BlockPool``; the patched name builds an ``ElasticBlockPool``, which calls
+``VllmBackend.create`` here. That
+
+* removes what crashed instances left behind (``kvcached.elastic.cleanup``);
+* builds the ``KVCacheManager`` over the KV buffer's logical pages
+  (``kv_layout``) with the worker fan-out (``kvcached.ipc.TPCoordinator``) as
+  its mapper: the workers are separate processes, even at TP=1 on CPU;
+* gives it the instance's record and limit (``kvctl list`` / ``kvctl limit``),
+  so every page it maps is admitted by the shared device budget;
+* wraps both in a ``kvcached.elastic.ElasticInstance``: the release fence
+  (a page is released only after every step that could read it finished),
+  wants to peers, and idle give-back.
+
+The pool learns which scheduler it belongs to through ``building_pools``:
+vLLM constructs the pool by class name deep inside the Scheduler, so the
+Scheduler patch opens that context around its constructor (tests and the
+benchmark open it themselves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from kvcached import config, naming
+from kvcached.elastic import ElasticInstance, ElasticPool
+from kvcached.elastic.cleanup import cleanup_dead_instances
+from kvcached.errors import InvalidArgumentError
+
+logger = logging.getLogger("vllm.kvcached")
+
+
+@dataclass
+class PoolContext:
+    """What the block pool needs from the Scheduler being built."""
+
+    vllm_config: Any
+    kv_cache_config: Any
+
+
+_ctx = threading.local()
+
+
+@contextlib.contextmanager
+def building_pools(vllm_config: Any, kv_cache_config: Any) -> Iterator[PoolContext]:
+    """The next ``ElasticBlockPool`` built in this thread belongs to this scheduler."""
+    ctx = PoolContext(vllm_config, kv_cache_config)
+    _ctx.value = ctx
+    try:
+        yield ctx
+    finally:
+        _ctx.value = None
+
+
+def take_pool_context() -> Optional[PoolContext]:
+    """The context of the Scheduler being built in this thread (consumed: one pool per scheduler)."""
+    ctx = getattr(_ctx, "value", None)
+    _ctx.value = None
+    return ctx
+
+
+def _device_of(vllm_config: Any) -> str:
+    dev = getattr(getattr(vllm_config, "device_config", None), "device", None)
+    kind = getattr(dev, "type", str(dev or "cpu"))
+    if kind == "cpu":
+        return "cpu"
+    idx = getattr(dev, "index", None)
+    return f"cuda:{idx or 0}"
+
+
+def refuse_unsupported(vllm_config: Any) -> None:
+    """Configurations kvcached cannot serve stop start-up with one line naming the option."""
+    pc = vllm_config.parallel_config
+    for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(pc, attr, 1) or 1) > 1:
+            raise InvalidArgumentError(f"kvcached does not support {attr} > 1 yet; unset ENABLE_KVCACHED")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise InvalidArgumentError(
+            "kvcached does not support KV connectors (kv_transfer_config): they read blocks outside "
+            "the scheduler's steps, so a page could be unmapped under a transfer; unset ENABLE_KVCACHED"
+        )
+
+
+class VllmBackend:
+    """Layout plan, manager, limits, worker fan-out and elastic runtime of one vLLM instance's KV pool."""
+
+    def __init__(self, plan: Any, manager: Any, coordinator: Any, name: str) -> None:
+        self.plan = plan
+        self.manager = manager
+        self.limits = manager.limits
+        self.coordinator = coordinator
+        self.name = name
+        self.pool = ElasticPool(manager, self.limits, name)
+        self.instance = ElasticInstance(name, [self.pool])
+        self.fence = self.instance.fence
+        self._closed = False
+
+    @classmethod
+    def create(cls, ctx: PoolContext, num_blocks: int) -> "VllmBackend":
+        from kvcached.integration.patch_base import summary_of
+        from kvcached.integration.vllm.kv_layout import KVLayoutPlan
+        from kvcached.ipc.coordinator import TPCoordinator
+        from kvcached.kv_cache_manager import KVCacheManager
+
+        vc = ctx.vllm_config
+        refuse_unsupported(vc)
+        page = config.page_size()
+        plan = KVLayoutPlan.from_kv_cache_config(ctx.kv_cache_config, page)
+        if plan.num_blocks != num_blocks:
+            raise InvalidArgumentError(
+                f"kvcached: the block pool has {num_blocks} blocks but the KV cache config {plan.num_blocks}"
+            )
+        pc = vc.parallel_config
+        tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+        dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
+        dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+        name = naming.dp_name(naming.instance_name("vllm"), dp_rank, dp_size)
+        device = _device_of(vc)
+        cleanup_dead_instances()
+        coordinator = TPCoordinator(tp, pp_size=pp, pp_rank=-1, ipc_name=name, group_id=0)
+        async_sched = bool(getattr(vc.scheduler_config, "async_scheduling", False))
+        try:
+            manager = KVCacheManager(
+                num_blocks,
+                plan.block_tokens,
+                plan.cell_size,
+                plan.physical_pages_per_logical_page(),
+                world_size=tp * pp,
+                pp_rank=-1,
+                async_sched=async_sched,
+                reserve_null_block=True,  # vLLM's null block 0: always mapped, never freed
+                num_kv_buffers=1,
+                group_id=0,
+                pool_name=name,
+                defer_physical_release=True,  # released by the fence
+                # The instance's record: kvctl shows and caps it; every page
+                # the manager maps is admitted by the shared device budget.
+                own_segment=True,
+                map_fn=coordinator.map,
+                unmap_fn=coordinator.unmap,
+                page_size=page,
+                engine="vllm",
+                device=device,
+            )
+        except BaseException:
+            coordinator.close()
+            raise
+        backend = cls(plan, manager, coordinator, name)
+        logger.info(
+            "kvcached: instance %s on %s, %d blocks (%d tokens each) over %d pages of %d KiB x %d; limit %.1f MiB. %s",
+            name, device, num_blocks, plan.block_tokens, plan.num_logical_pages, page >> 10,
+            plan.physical_pages_per_logical_page(), backend.limits.limit / (1 << 20), summary_of("vLLM"),
+        )
+        return backend
+
+    def after_free(self) -> None:
+        self.fence.after_free()
+
+    def pages_over_limit(self) -> int:
+        return self.pool.pages_over_limit()
+
+    def close(self) -> None:
+        """Removes the record and closes the connections. The workers are gone
+        or going (vLLM stops them first), so nothing is unmapped remotely:
+        their pages die with them."""
+        if self._closed:
+            return
+        self._closed = True
+        self.instance.close()
+        try:
+            self.limits.close()
+        finally:
+            self.coordinator.close()

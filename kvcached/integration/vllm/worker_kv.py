@@ -1,0 +1,207 @@
+"""Worker seam: vLLM's KV buffer backed by a kvcached FTensor, and the worker's listener.
+
+vLLM's ``allocate_kv_cache`` makes one int8 buffer with ``torch.zeros`` (every
+byte committed) and cuts per-layer views from it with vLLM's own strides. The
+wrapper here makes the same buffer, same size, as a view of one FTensor (a
+stable virtual range that reads zeros where nothing is mapped) and then cuts
+the views exactly as vLLM does, with vLLM's ``create_kv_cache_views``: shapes,
+strides, layout (LBHNC, BLHNC, ...) and offsets are vLLM's. Physical pages are
+mapped only when the scheduler's ``ElasticBlockPool`` hands out blocks on them.
+
+``WorkerKV`` owns that FTensor and the listener that serves the scheduler's
+map/unmap requests for it with ``worker_executor.PlannedExecutor``; it closes
+at exit, or when a second engine in this process makes a new one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import logging
+import sys
+import threading
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from kvcached import config, naming, vmm_ops
+from kvcached.devices import normalize_device
+from kvcached.errors import InvalidArgumentError
+from kvcached.integration.patch_base import WRAPPED, original
+from kvcached.integration.vllm.kv_layout import KVLayoutPlan
+from kvcached.integration.vllm.worker_executor import PlannedExecutor
+
+logger = logging.getLogger("vllm.kvcached")
+
+GROUP = 0  # the FTensor group holding vLLM's KV buffer in a worker process
+
+
+class WorkerKV:
+    """The KV buffer of this worker process and the listener serving it."""
+
+    current: Optional["WorkerKV"] = None
+    _lock = threading.Lock()
+
+    def __init__(self, plan: KVLayoutPlan, device: str, rank: int, pp_rank: int, ipc_name: str) -> None:
+        import torch
+
+        from kvcached.ipc.listener import WorkerListener
+
+        self.plan = plan
+        self.device = device
+        vmm_ops.init_kvcached(device, plan.page_size, contiguous_layout=False)
+        # One range, one "layer", one buffer: the offsets are byte offsets into
+        # vLLM's buffer, so vLLM's own views address it unchanged.
+        vmm_ops.create_kv_tensors(plan.mapped_size, 1, device, num_layers=1, num_kv_buffers=1, group_id=GROUP)
+        self.raw = vmm_ops.get_raw_kv_tensors(GROUP)[0].view(torch.int8)
+        self.executor = PlannedExecutor(plan)
+        self.listener = WorkerListener(rank, pp_rank, ipc_name, executor=self.executor).start()
+        self.ipc_name = ipc_name
+
+    def close(self) -> None:
+        """Stops the listener (drains a running call), then releases every page."""
+        if self.listener is not None:
+            self.listener.stop()
+            self.listener = None
+        try:
+            vmm_ops.shutdown_kvcached()
+        except Exception:  # already shut down
+            pass
+
+    @classmethod
+    def start(cls, plan: KVLayoutPlan, device: str, rank: int, pp_rank: int, ipc_name: str) -> "WorkerKV":
+        with cls._lock:
+            if cls.current is not None:
+                # A second engine in this process (tests, RLHF re-init): the old
+                # one's tensors are no longer used by vLLM.
+                cls.current.close()
+                cls.current = None
+            kv = cls(plan, device, rank, pp_rank, ipc_name)
+            cls.current = kv
+            return kv
+
+
+def _close_at_exit() -> None:
+    with WorkerKV._lock:
+        if WorkerKV.current is not None:
+            WorkerKV.current.close()
+            WorkerKV.current = None
+
+
+atexit.register(_close_at_exit)
+
+
+# ------------------------------------------------------------- ranks, names
+
+
+def _parallel_ranks() -> Tuple[int, int, int, int]:
+    """(tp rank, pp rank, dp rank, dp size) of this worker."""
+    from vllm.distributed import parallel_state as ps
+
+    def rank(getter: str) -> Tuple[int, int]:
+        try:
+            g = getattr(ps, getter)()
+            return int(g.rank_in_group), int(g.world_size)
+        except Exception:  # group not initialised (single process)
+            return 0, 1
+
+    tp, _ = rank("get_tp_group")
+    pp, _ = rank("get_pp_group")
+    dp, dp_size = rank("get_dp_group")
+    return tp, pp, dp, dp_size
+
+
+def instance_name(dp_rank: int = 0, dp_size: int = 1) -> str:
+    """The instance's name: KVCACHED_IPC_NAME (set by the first vLLM process),
+    plus ``_dp<rank>`` per data-parallel engine (each has its own scheduler)."""
+    return naming.dp_name(naming.instance_name("vllm"), dp_rank, dp_size)
+
+
+def device_string(device: Any) -> str:
+    """torch.device / str -> 'cpu' or 'cuda:N' (what kvcached's backends take)."""
+    try:
+        return normalize_device(device)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{e}; or unset ENABLE_KVCACHED") from None
+
+
+# ------------------------------------------------------- allocate_kv_cache
+
+
+def _elastic_allocate(
+    orig: Callable[..., Dict[str, Any]],
+    kv_cache_config: Any,
+    device: Any,
+    layout: Any,
+    kernel_block_sizes: Optional[List[int]] = None,
+) -> Dict[str, Any]:
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+
+    if not kv_cache_config.kv_cache_tensors:
+        return orig(kv_cache_config, device, layout, kernel_block_sizes)
+    plan = KVLayoutPlan.from_kv_cache_config(kv_cache_config, config.page_size())
+    buf_size = plan.buffer_size
+    if current_platform.is_rocm():  # vLLM pads the ROCm buffer to 4 KiB (allocate_kv_cache)
+        buf_size = -(-buf_size // 4096) * 4096
+        if buf_size > plan.mapped_size:
+            raise InvalidArgumentError(f"KV buffer of {buf_size} B exceeds the mapped range {plan.mapped_size} B")
+    tp, pp, dp, dp_size = _parallel_ranks()
+    name = instance_name(dp, dp_size)
+    kv = WorkerKV.start(plan, device_string(device), tp, pp, name)
+    buf = kv.raw[:buf_size]
+
+    # From here on exactly vLLM's loop (vllm/v1/worker/utils.py, 0.32 and 0.33).
+    kv_caches: Dict[str, Any] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        layer_name = tensor.layers[0]
+        group_id, group = next(
+            (gid, g) for gid, g in enumerate(kv_cache_config.kv_cache_groups) if layer_name in g.layer_names
+        )
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[layer_name]
+        num_blocks = kv_cache_config.num_blocks_of(tensor)
+        kernel_block_size = None
+        if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
+            kernel_block_size = kernel_block_sizes[group_id]
+        views = create_kv_cache_views(buf, spec, num_blocks, layout, tensor, kernel_block_size=kernel_block_size)
+        kv_caches.update(zip(tensor.layers, views))
+    logger.info(
+        "kvcached: KV buffer of %.1f MiB is virtual (%s); rank %d pp %d serves %s",
+        buf_size / (1 << 20), plan, tp, pp, kv.listener.path if kv.listener else "-",
+    )
+    return kv_caches
+
+
+def _wrap_allocate(orig: Callable[..., Dict[str, Any]]) -> Callable[..., Dict[str, Any]]:
+    # A module-level function, not a method: patch_base.wrap_method does not apply.
+    @functools.wraps(orig)
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):  # type: ignore[no-untyped-def]
+        return _elastic_allocate(orig, kv_cache_config, device, layout, kernel_block_sizes)
+
+    setattr(allocate_kv_cache, WRAPPED, orig)
+    return allocate_kv_cache
+
+
+def patch_allocate_kv_cache(utils: ModuleType, importers: Iterable[str] = ()) -> None:
+    """Wraps ``vllm.v1.worker.utils.allocate_kv_cache`` and the by-name copies that the
+    already imported modules among ``importers`` bound."""
+    cur = utils.allocate_kv_cache
+    if getattr(cur, WRAPPED, None) is None:
+        utils.allocate_kv_cache = _wrap_allocate(cur)
+    for name in importers:
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "allocate_kv_cache"):
+            rebind_allocate_kv_cache(mod)
+
+
+def rebind_allocate_kv_cache(module: ModuleType) -> None:
+    """Points ``module.allocate_kv_cache`` (bound by name at import) at the wrapper."""
+    utils = importlib.import_module("vllm.v1.worker.utils")
+    if getattr(utils.allocate_kv_cache, WRAPPED, None) is None:
+        utils.allocate_kv_cache = _wrap_allocate(utils.allocate_kv_cache)
+    if not hasattr(module, "allocate_kv_cache"):
+        raise AttributeError(f"{module.__name__} no longer imports allocate_kv_cache by name")
+    if original(module.allocate_kv_cache) is original(utils.allocate_kv_cache):
+        module.allocate_kv_cache = utils.allocate_kv_cache

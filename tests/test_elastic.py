@@ -1,0 +1,198 @@
+"""The engine-neutral elastic runtime (kvcached.elastic) on the host backend:
+the release fence, pools against a real instance record and limit, idle
+decisions, the prefix-cache bound, and the one reading of the variables both
+engines share."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from kvcached import config
+from kvcached.elastic import ElasticInstance, ElasticPool, IdleAction, ReleaseFence, cache_excess_tokens
+from kvcached.kv_cache_manager import KVCacheManager
+from limits_helpers import remove_records, unique_prefix
+
+KiB = 1 << 10
+P = 128 * KiB
+
+
+@pytest.fixture
+def host_plane(monkeypatch):
+    from kvcached import _C, vmm_ops
+
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    _C.clear_faults()
+    vmm_ops.init_kvcached("cpu", page_size=P, contiguous_layout=False)
+    # 4 blocks of 32 KiB per 128 KiB page, 2 layers, one buffer.
+    vmm_ops.create_kv_tensors(64 * 32 * KiB, 1, "cpu", num_layers=2, num_kv_buffers=1)
+    yield vmm_ops
+    vmm_ops.shutdown_kvcached()
+
+
+def _manager(**kw) -> KVCacheManager:
+    return KVCacheManager(64, 16, 2 * KiB, 2, reserve_null_block=True, num_kv_buffers=1,
+                          defer_physical_release=True, **kw)
+
+
+def test_fence_waits_for_every_step_that_could_read_a_freed_page(host_plane):
+    m = _manager()
+    f = ReleaseFence([m])
+    mapped = lambda: m.stats()["mapped_pages"]  # noqa: E731
+
+    ids = m.alloc(4)  # a fresh page (page 0 holds the null block)
+    assert mapped() == 2
+    f.launched()  # step 1 reads ids
+    f.launched()  # step 2 submitted before step 1's output (async scheduling)
+    f.finished()  # step 1 finished
+    f.depth += 1
+    m.free(ids)  # the request finished in step 1's output; step 2 may still read its blocks
+    f.depth -= 1
+    f.settle()
+    assert mapped() == 2, "released while step 2 could still read the page"
+    f.after_free()  # inside no step, but step 2 is in flight
+    assert mapped() == 2
+    f.finished()  # step 2 finished: nothing in flight
+    assert mapped() == 1
+    # Synchronous pattern (CPU): a page freed after the step finished goes at once.
+    ids = m.alloc(4)
+    f.launched()
+    f.finished()
+    f.depth += 1
+    m.free(ids)
+    f.depth -= 1
+    f.settle()
+    assert mapped() == 1
+    # A page emptied and refilled before the release stays mapped.
+    ids = m.alloc(4)
+    f.launched()
+    f.launched()
+    m.free(ids)
+    again = m.alloc(4)
+    f.finished()
+    f.finished()
+    assert mapped() == 2  # the reused page was kept
+    m.free(again)
+    f.after_free()
+    assert mapped() == 1
+    m.shutdown()
+
+
+def test_fence_steps_finished_by_token_and_grace(host_plane):
+    # SGLang's pattern: the step number travels on the batch result; releases
+    # wait a grace period while busy and go at once when idle.
+    m = _manager()
+    f = ReleaseFence([m], grace_s=3600.0)
+    ids = m.alloc(4)
+    s1 = f.launched()
+    m.free(ids)  # freed while step 1 runs
+    s2 = f.launched()
+    f.finished(s1)
+    assert m.stats()["mapped_pages"] == 2  # step 2 may still read it
+    f.finished(s2)
+    assert m.stats()["mapped_pages"] == 2  # safe now, but within the grace period
+    assert f.release_due(grace_s=0.0) == 1
+    assert m.stats()["mapped_pages"] == 1
+    ids = m.alloc(4)
+    f.launched()
+    m.free(ids)
+    assert f.idle() == 1 and f.in_flight == 0  # idle: nothing in flight, released at once
+    m.shutdown()
+
+
+def test_fence_of_a_closed_instance_releases_nothing(host_plane):
+    m = _manager()
+    inst = ElasticInstance("x", [ElasticPool(m)])
+    ids = m.alloc(4)
+    m.free(ids)
+    inst.close()
+    assert inst.fence.idle() == 0 and m.stats()["mapped_pages"] == 2
+    m.shutdown()
+
+
+@pytest.fixture
+def prefix():
+    p = unique_prefix()
+    yield p
+    remove_records(p)
+
+
+def test_pool_over_a_lowered_limit_and_the_idle_action(host_plane, prefix, monkeypatch):
+    from kvcached import control
+
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "64M")
+    m = _manager(own_segment=True, pool_name=prefix + "a")
+    pool = ElasticPool(m)
+    inst = ElasticInstance(pool.name, [pool])
+    assert pool.name == prefix + "a" and pool.limits is m.limits
+    ids = m.alloc(12)  # 3 fresh pages + the null block's page
+    assert pool.mapped_pages() == 4 and pool.live_pages() == 4
+    assert pool.pages_over_limit() == 0 and inst.idle_action(check_peers=False) == IdleAction.NONE
+    r = control.set_instance_memory_limit(2 * pool.bytes_per_page, name=pool.name, wait_s=5.0)
+    assert r.status in ("applied", "deferred"), r
+    assert pool.pages_over_limit() == 2 and pool.live_pages_over_limit() == 2
+    assert inst.idle_action(check_peers=False) == IdleAction.SHRINK_TO_LIMIT
+    m.free(ids[4:])  # two pages empty: retired, still mapped until the fence releases them
+    assert pool.live_pages() == 2 and pool.live_pages_over_limit() == 0 and pool.pages_over_limit() == 2
+    assert inst.give_back() == 2  # idle: nothing in flight
+    assert pool.pages_over_limit() == 0 and pool.released_pages == 2
+    inst.close()
+    m.shutdown()
+
+
+def test_want_is_withdrawn_by_a_step_without_shortage(host_plane, prefix, monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "64M")
+    m = _manager(own_segment=True, pool_name=prefix + "w")
+    calls = []
+    m.limits.note_shortage = lambda *a: calls.append("short") or False  # noqa: E731
+    m.limits.clear_want = lambda: calls.append("clear")  # noqa: E731
+    inst = ElasticInstance("w", [ElasticPool(m)])
+    inst.note_shortage()
+    inst.end_step()  # the step missed: the want stays
+    inst.end_step()  # the next step placed everything: withdrawn
+    assert calls == ["short", "clear"]
+    m.shutdown()
+
+
+@pytest.mark.parametrize(
+    "cached, evictable, bound, excess",
+    [(100, 100, None, 0), (100, 100, 100, 0), (101, 101, 100, 11), (150, 20, 100, 20), (5, 5, 0, 5)],
+)
+def test_cache_bound_evicts_down_to_ninety_percent(cached, evictable, bound, excess):
+    assert cache_excess_tokens(cached, evictable, bound) == excess
+
+
+@pytest.mark.parametrize("raw, want", [("", None), ("-1", None), ("0", 0), ("4096", 4096)])
+def test_max_cached_tokens_one_rule(monkeypatch, raw, want):
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", raw)
+    assert config.max_cached_tokens() == want
+
+
+@pytest.mark.parametrize("raw", ["-2", "lots", "1.5"])
+def test_max_cached_tokens_bad_values_name_the_fix(monkeypatch, raw):
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", raw)
+    with pytest.raises(ValueError, match="KVCACHED_MAX_CACHED_TOKENS"):
+        config.max_cached_tokens()
+
+
+def test_both_engines_read_the_shared_variables_only_through_config():
+    # ENABLE_KVCACHED and KVCACHED_MAX_CACHED_TOKENS mean the same in vLLM and
+    # SGLang because nothing but kvcached.config reads them.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(config.__file__)))
+    direct = re.compile(r"""(environ(\.get)?\s*[\[(]|getenv\s*\()\s*["'](ENABLE_KVCACHED|KVCACHED_MAX_CACHED_TOKENS)["']""")
+    offenders = []
+    for dirpath, _, files in os.walk(os.path.join(root, "kvcached")):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            if f.endswith(".py") and path != config.__file__ and direct.search(open(path).read()):
+                offenders.append(os.path.relpath(path, root))
+    assert offenders == []
+    users = []
+    for engine in ("vllm/block_pool.py", "sglang/scheduler_hooks.py"):
+        src = open(os.path.join(root, "kvcached", "integration", engine)).read()
+        if "cache_bound import max_cached_tokens" in src and "cache_excess_tokens(" in src:
+            users.append(engine)
+    assert users == ["vllm/block_pool.py", "sglang/scheduler_hooks.py"]
