@@ -21,7 +21,7 @@ from kvcached import _C, vmm_ops
 from kvcached.errors import BackendError, InvalidArgumentError
 from kvcached.ipc import faults, protocol
 from kvcached.ipc.coordinator import TPCoordinator
-from kvcached.ipc.executor import VmmExecutor
+from kvcached.ipc.executor import NullExecutor, VmmExecutor
 from kvcached.ipc.listener import WorkerListener
 from kvcached.ipc.paths import socket_path, socket_root
 from kvcached.ipc.protocol import Cmd
@@ -320,3 +320,18 @@ def test_map_history_is_bounded_and_rollback_is_exact(plane) -> None:
     with pytest.raises(InvalidArgumentError, match="rolled back"):
         ex.map(0, 1, [5 * PAGE])
     assert sorted(_C.mapped_offsets(0)) == [0, PAGE, 3 * PAGE, 4 * PAGE]
+
+
+def test_null_executor_keeps_the_bookkeeping_of_a_real_worker() -> None:
+    # Its page hooks do nothing; map history, rollback and refusals are VmmExecutor's.
+    ex = NullExecutor(history=2)
+    assert ex.map(0, 1, [0, PAGE]) == (2, 0)
+    assert ex.map(0, 1, [0, PAGE]) == (2, 0)
+    assert ex.rollback_map(0, 1) == 2
+    assert ex.rollback_map(0, 1) == 0
+    with pytest.raises(InvalidArgumentError, match="rolled back"):
+        ex.map(0, 1, [0])
+    ex.prepare(0, 7, [0])
+    ex.commit(0, 7)
+    ex.abort(0, 8)
+    assert ex.kv_created(0) and ex.query(0).created

@@ -122,10 +122,11 @@ def _pool_bench(steps: int, running: int) -> List[Dict[str, Any]]:
     from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
-    from kvcached.integration.vllm import engine_core
+    from kvcached.integration.vllm.backend import building_pools
     from kvcached.integration.vllm.block_pool import ElasticBlockPool
+    from kvcached.integration.vllm.scheduler_patches import count_steps
     from kvcached.integration.vllm.kv_layout import KVLayoutPlan
-    from kvcached.integration.vllm.worker_tensors import WorkerKV
+    from kvcached.integration.vllm.worker_kv import WorkerKV
 
     n_blocks = 512
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
@@ -163,11 +164,11 @@ def _pool_bench(steps: int, running: int) -> List[Dict[str, Any]]:
     native_pool = BlockPool(num_gpu_blocks=n_blocks, enable_caching=True, hash_block_size=16)
     worker = WorkerKV.start(KVLayoutPlan.from_kv_cache_config(kvc, 64 << 10), "cpu", 0, 0, name)
     try:
-        engine_core._ctx.value = engine_core.PoolContext(vc, kvc)
-        pool = ElasticBlockPool(num_gpu_blocks=n_blocks, enable_caching=True, hash_block_size=16)
+        with building_pools(vc, kvc):
+            pool = ElasticBlockPool(num_gpu_blocks=n_blocks, enable_caching=True, hash_block_size=16)
         try:
             sched = SimpleNamespace(schedule=lambda: None, update_from_output=lambda: None)
-            pool.backend.fence.wrap(sched)  # one schedule + update per step, as in an engine
+            count_steps(sched, pool)  # one schedule + update per step, as in an engine
             stepped = _Stepped(pool, sched)
             native_t, kv_t = [], []
             for _ in range(5):  # alternate: drift on a shared machine hits both

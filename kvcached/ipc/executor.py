@@ -1,5 +1,6 @@
 """What a worker does for each request: the kvcached data-plane calls of this
-process, plus the history that makes MAP transactions safe to roll back.
+process, plus the transaction bookkeeping that makes requests safe to repeat
+and to roll back.
 
 MAP transactions: the coordinator tags every MAP with a transaction id. The
 worker remembers, per (group, tx), the offsets that MAP newly mapped, so a
@@ -9,13 +10,23 @@ MAP never arrived) is recorded as rolled back and the late MAP is refused, so a
 rolled-back transaction can never map pages afterwards. The history is bounded
 (MAP_HISTORY entries, oldest dropped first), like the unmap transaction history
 in the data plane which serves PREPARE/COMMIT/ABORT.
+
+Extension point: the offsets of a request need not be the data plane's own.
+The vLLM worker (``integration/vllm/worker_executor.py``) serves logical pages
+that each cover several physical pages, some shared by two logical pages. Such
+an executor overrides only the page hooks (``map_pages``, ``unmap_pages``,
+``stage_unmap``, ``commit_unmap``, ``abort_unmap``): which data-plane offsets a
+request touches and which of them may really be mapped or unmapped now. The
+bookkeeping here (history, statuses, idempotent repeats, exact rollback, the
+record of prepared unmaps that an ABORT gives back) is the same for every
+executor. Hooks run under the executor's lock, one at a time.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from kvcached import _C, vmm_ops
 from kvcached.errors import InvalidArgumentError
@@ -23,17 +34,56 @@ from kvcached.ipc.protocol import OUTCOMES, WorkerState
 
 MAP_HISTORY = 4096
 
+# What the MAP history holds per (group, tx): the offsets it newly mapped, or
+# one of these statuses. A FAILED MAP changed nothing, so a retry runs again.
 _ROLLED_BACK = "rolled back"
 _FAILED = "failed"
 
 
 class VmmExecutor:
-    """Runs requests against this process's KV tensors (vmm_ops). Thread-safe."""
+    """Runs requests against this process's KV tensors (vmm_ops). Thread-safe.
+
+    The page hooks below are the identity: a request's offsets are the data
+    plane's, and the data plane knows which are mapped."""
 
     def __init__(self, history: int = MAP_HISTORY) -> None:
-        self._lock = threading.Lock()  # MAP/ROLLBACK_MAP check-then-act must be atomic
+        self._lock = threading.Lock()  # check-then-act on the history must be atomic
         self._maps: "OrderedDict[Tuple[int, int], Union[List[int], str]]" = OrderedDict()
         self._history = history
+        # Prepared unmaps whose stage_unmap returned something to give back on
+        # ABORT: (group, tx) -> (sorted offsets, what stage_unmap returned).
+        self._staged: Dict[Tuple[int, int], Tuple[List[int], Any]] = {}
+
+    # ---- page hooks (the extension point) ------------------------------------------
+
+    def map_pages(self, group: int, offsets: Sequence[int]) -> Tuple[List[int], int]:
+        """Maps what ``offsets`` need, all or nothing; returns (the offsets this call
+        newly mapped, how many were mapped already). Raises with nothing changed."""
+        newly, already = vmm_ops.map_to_kv_tensors_with_result(offsets, group)
+        return list(newly), len(already)
+
+    def unmap_pages(self, group: int, offsets: Sequence[int]) -> None:
+        """Undoes one ``map_pages``: ``offsets`` are what it newly mapped (ROLLBACK_MAP).
+        Raises with nothing changed if it cannot."""
+        vmm_ops.unmap_from_kv_tensors(offsets, group)
+
+    def stage_unmap(self, group: int, tx: int, offsets: Sequence[int]) -> Optional[Any]:
+        """Phase one of unmapping ``offsets`` under ``tx`` (the data plane keeps the
+        handles). Returns what ``abort_unmap`` needs to give the pages back, or None
+        when the data plane alone holds that state (then repeated PREPAREs reach it)."""
+        vmm_ops.prepare_unmap_from_kv_tensors(tx, offsets, group)
+        return None
+
+    def commit_unmap(self, group: int, tx: int) -> None:
+        """Phase two: the data plane releases what ``tx`` prepared. Repeats are no-ops."""
+        vmm_ops.commit_unmap_from_kv_tensors(tx, group)
+
+    def abort_unmap(self, group: int, tx: int, staged: Optional[Any]) -> None:
+        """Undoes phase one; ``staged`` is what ``stage_unmap`` returned (None if nothing
+        or unknown)."""
+        vmm_ops.abort_unmap_from_kv_tensors(tx, group)
+
+    # ---- requests --------------------------------------------------------------------
 
     def _remember(self, key: Tuple[int, int], value: Union[List[int], str]) -> None:
         self._maps[key] = value
@@ -52,12 +102,12 @@ class VmmExecutor:
             if isinstance(prev, list):
                 return len(prev), len(offsets) - len(prev)  # repeated MAP: already done
             try:
-                newly, already = vmm_ops.map_to_kv_tensors_with_result(offsets, group)
+                newly, already = self.map_pages(group, offsets)
             except Exception:
-                self._remember(key, _FAILED)  # the data plane rolled this call back
+                self._remember(key, _FAILED)  # the hook changed nothing
                 raise
-            self._remember(key, list(newly))
-            return len(newly), len(already)
+            self._remember(key, newly)
+            return len(newly), already
 
     def rollback_map(self, group: int, tx: int) -> int:
         """Unmaps what MAP ``tx`` newly mapped; returns how many offsets. Idempotent."""
@@ -65,18 +115,33 @@ class VmmExecutor:
         with self._lock:
             prev = self._maps.get(key)
             if isinstance(prev, list) and prev:
-                vmm_ops.unmap_from_kv_tensors(prev, group)  # raises if it cannot; then state is kept
+                self.unmap_pages(group, prev)  # raises if it cannot; then state is kept
             self._remember(key, _ROLLED_BACK)
             return len(prev) if isinstance(prev, list) else 0
 
     def prepare(self, group: int, tx: int, offsets: Sequence[int]) -> None:
-        vmm_ops.prepare_unmap_from_kv_tensors(tx, offsets, group)
+        key = (group, tx)
+        with self._lock:
+            held = self._staged.get(key)
+            if held is not None:
+                if held[0] != sorted(int(o) for o in offsets):
+                    raise InvalidArgumentError(f"transaction {tx} is already prepared with other offsets")
+                return  # a repeated PREPARE
+            staged = self.stage_unmap(group, tx, offsets)
+            if staged is not None:
+                self._staged[key] = (sorted(int(o) for o in offsets), staged)
 
     def commit(self, group: int, tx: int) -> None:
-        vmm_ops.commit_unmap_from_kv_tensors(tx, group)
+        with self._lock:
+            self.commit_unmap(group, tx)
+            self._staged.pop((group, tx), None)
 
     def abort(self, group: int, tx: int) -> None:
-        vmm_ops.abort_unmap_from_kv_tensors(tx, group)
+        key = (group, tx)
+        with self._lock:
+            held = self._staged.get(key)
+            self.abort_unmap(group, tx, None if held is None else held[1])
+            self._staged.pop(key, None)
 
     def tx_outcome(self, group: int, tx: int) -> int:
         return OUTCOMES.index(vmm_ops.unmap_transaction_outcome(tx, group))
@@ -105,22 +170,23 @@ class VmmExecutor:
 
 
 class NullExecutor(VmmExecutor):
-    """Answers every request without touching memory. For measuring the IPC path
-    alone (``python -m kvcached.bench ipc``); never use it in an engine."""
+    """Answers every request without touching memory: the bookkeeping of a real
+    worker with page hooks that do nothing. For measuring the IPC path alone
+    (``python -m kvcached.bench ipc``); never use it in an engine."""
 
-    def map(self, group: int, tx: int, offsets: Sequence[int]) -> Tuple[int, int]:
-        return len(offsets), 0
+    def map_pages(self, group: int, offsets: Sequence[int]) -> Tuple[List[int], int]:
+        return list(offsets), 0
 
-    def rollback_map(self, group: int, tx: int) -> int:
-        return 0
-
-    def prepare(self, group: int, tx: int, offsets: Sequence[int]) -> None:
+    def unmap_pages(self, group: int, offsets: Sequence[int]) -> None:
         return None
 
-    def commit(self, group: int, tx: int) -> None:
+    def stage_unmap(self, group: int, tx: int, offsets: Sequence[int]) -> Optional[Any]:
         return None
 
-    def abort(self, group: int, tx: int) -> None:
+    def commit_unmap(self, group: int, tx: int) -> None:
+        return None
+
+    def abort_unmap(self, group: int, tx: int, staged: Optional[Any]) -> None:
         return None
 
     def tx_outcome(self, group: int, tx: int) -> int:

@@ -23,10 +23,10 @@ N_BLOCKS = 64
 def pool(monkeypatch):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
-    from kvcached.integration.vllm import engine_core
+    from kvcached.integration.vllm.backend import building_pools
     from kvcached.integration.vllm.block_pool import ElasticBlockPool
     from kvcached.integration.vllm.kv_layout import KVLayoutPlan
-    from kvcached.integration.vllm.worker_tensors import WorkerKV
+    from kvcached.integration.vllm.worker_kv import WorkerKV
 
     name = f"kvt_pool_{os.getpid()}"
     for k, v in dict(KVCACHED_IPC_NAME=name, KVCACHED_PAGE_SIZE=str(P), KVCACHED_MIN_RESERVED_PAGES="0",
@@ -49,9 +49,9 @@ def pool(monkeypatch):
         device_config=SimpleNamespace(device=torch.device("cpu")),
         kv_transfer_config=None,
     )
-    engine_core._ctx.value = engine_core.PoolContext(vc, kvc)
-    p = ElasticBlockPool(num_gpu_blocks=N_BLOCKS, enable_caching=True, hash_block_size=16,
-                         enable_kv_cache_events=True)
+    with building_pools(vc, kvc):
+        p = ElasticBlockPool(num_gpu_blocks=N_BLOCKS, enable_caching=True, hash_block_size=16,
+                             enable_kv_cache_events=True)
     p.worker = worker
     yield p
     p.close()
