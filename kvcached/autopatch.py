@@ -7,7 +7,9 @@ engine's modules are imported: the ``.pth`` file does, and this module then
 * returns at once unless ``ENABLE_KVCACHED`` is true (it is the only switch
   needed; ``KVCACHED_AUTOPATCH=0`` turns this hook off while the engine's own
   plugin entry point, ``kvcached.integration.vllm.plugin``, still applies the
-  patches from inside vLLM);
+  patches from inside vLLM). Both are read by kvcached.config; a value that is
+  not a boolean is reported on stderr here and the hook stays off (the engine's
+  plugin then stops start-up with the same message);
 * installs a post-import hook (a meta-path finder that runs callbacks right
   after a watched module finishes executing) and watches each engine's
   top-level package (``ENGINE_ACTIVATORS``): when vLLM is imported,
@@ -24,14 +26,12 @@ purpose: the engine must not start half patched.
 from __future__ import annotations
 
 import importlib.abc
-import os
 import sys
 import threading
 from types import ModuleType
 from typing import Callable, Dict, List, Optional
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+from kvcached import config
 
 # Engine -> "module:function" run when the engine's top-level package is imported.
 ENGINE_ACTIVATORS = {
@@ -41,18 +41,20 @@ ENGINE_ACTIVATORS = {
 
 _lock = threading.RLock()
 _hooks: Dict[str, List[Callable[[ModuleType], None]]] = {}
-_finder: Optional["_PostImportFinder"] = None
+_finder: Optional[_PostImportFinder] = None
 _installed_at_start = False
 
 
 def enabled() -> bool:
-    """True when ENABLE_KVCACHED asks for kvcached in engine processes."""
-    return os.environ.get("ENABLE_KVCACHED", "").strip().lower() in _TRUE
+    """True when ENABLE_KVCACHED asks for kvcached in engine processes (``config.enabled``:
+    a value other than true/1/yes/on, false/0/no/off or empty raises ValueError)."""
+    return config.enabled()
 
 
 def autopatch_disabled() -> bool:
-    """KVCACHED_AUTOPATCH=0/false turns the interpreter-start hook off."""
-    return os.environ.get("KVCACHED_AUTOPATCH", "").strip().lower() in _FALSE
+    """KVCACHED_AUTOPATCH=0/false/no/off turns the interpreter-start hook off (raises
+    ValueError for a value that is not a boolean)."""
+    return not config.autopatch_enabled()
 
 
 def hook_installed() -> bool:
@@ -170,14 +172,22 @@ def install() -> None:
 
 def _at_interpreter_start() -> None:
     global _installed_at_start
-    if not enabled() or autopatch_disabled():
+    try:
+        if not enabled() or autopatch_disabled():
+            return
+    except ValueError as e:
+        # Not here: a bad value must not break every Python process. The engine's
+        # plugin reads the same variable and stops the engine's start-up with it.
+        sys.stderr.write(f"kvcached: {e}; the import hook is not installed\n")
         return
     try:
         install()
         _installed_at_start = True
     except Exception as e:  # never break interpreter start
-        sys.stderr.write(f"kvcached: could not install the import hook ({type(e).__name__}: {e}); "
-                         "engines will only be patched through their plugin entry points\n")
+        sys.stderr.write(
+            f"kvcached: could not install the import hook ({type(e).__name__}: {e}); "
+            "engines will only be patched through their plugin entry points\n"
+        )
 
 
 _at_interpreter_start()

@@ -1,59 +1,277 @@
-"""Environment configuration, read once per call site (never at import time).
+"""The environment variables of kvcached: one table, and one typed reader per variable.
+
+``VARIABLES`` lists every variable kvcached reads (name, type, default, meaning);
+README.md's "Environment variables" table is generated from it
+(``markdown_table()``; tests/test_config.py fails when they differ, and also when
+a module under kvcached/ names a variable that is not in the table). Each reader
+below goes through ``_raw(name, type)``, which refuses a name or type not in the table, so a
+new variable cannot be read without being documented.
+
+Rules shared by every reader:
+  * read at call time, never at import time (tests and tools set them late);
+  * unset and empty mean the default;
+  * a value that cannot be parsed raises ValueError with one line that names
+    the variable, the value and what to write instead: a typo must stop
+    start-up, not silently pick a default.
+  * booleans: true/1/yes/on and false/0/no/off (any case, surrounding spaces ignored).
 
 Names follow the upstream kvcached project so existing deployments keep working.
+No import beyond the standard library: the interpreter-start hook reads this.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 MiB = 1 << 20
 DEFAULT_PAGE_SIZE = 2 * MiB
 
+BOOL_TRUE = ("true", "1", "yes", "on")
+BOOL_FALSE = ("false", "0", "no", "off")
 
-def _env_bool(name: str, default: bool) -> bool:
+
+@dataclass(frozen=True)
+class Var:
+    """One environment variable.
+
+    ``type``: bool, int, float, size (bytes, ``512M``), str or spec (a
+    mini-language described in ``meaning``). ``default``: what unset means, as
+    README shows it ("-": nothing / off).
+    """
+
+    name: str
+    type: str
+    default: str
+    meaning: str
+
+
+VARIABLES: Tuple[Var, ...] = (
+    Var(
+        name="ENABLE_KVCACHED",
+        type="bool",
+        default="false",
+        meaning="turn kvcached on in engine processes (enough on its own); true/1/yes/on or "
+        "false/0/no/off, anything else stops start-up",
+    ),
+    Var(
+        name="KVCACHED_AUTOPATCH",
+        type="bool",
+        default="true",
+        meaning="`0` turns the interpreter-start import hook off (the engine's plugin entry point still patches)",
+    ),
+    Var(
+        name="KVCACHED_IPC_NAME",
+        type="str",
+        default="`kvcached_<engine>_<pid>`",
+        meaning="instance name: its record in `kvctl list` and its worker sockets; set by the first "
+        "engine process, inherited by the others (rules in `kvcached/naming.py`)",
+    ),
+    Var(
+        name="KVCACHED_PAGE_SIZE",
+        type="int",
+        default="2 MiB",
+        meaning="kvcached page size in bytes (a multiple of the backend granularity)",
+    ),
+    Var(
+        name="KVCACHED_CONTIGUOUS_LAYOUT",
+        type="bool",
+        default="false",
+        meaning="one compound range `[chunk][layer][kv]` instead of one range per layer",
+    ),
+    Var(
+        name="KVCACHED_MIN_RESERVED_PAGES",
+        type="int",
+        default="5",
+        meaning="mapped reserve pool: pages kept mapped ahead of demand",
+    ),
+    Var(
+        name="KVCACHED_MAX_RESERVED_PAGES",
+        type="int",
+        default="10",
+        meaning="mapped reserve pool: most free pages kept mapped",
+    ),
+    Var(
+        name="KVCACHED_PAGE_PREALLOC_ENABLED",
+        type="bool",
+        default="true",
+        meaning="refill the reserve pool on a background thread",
+    ),
+    Var(
+        name="KVCACHED_CAPACITY_TTL_MS",
+        type="int",
+        default="10",
+        meaning="how long a manager may reuse its reading of free pages and device memory (0: read every time)",
+    ),
+    Var(
+        name="KVCACHED_MAX_CACHED_TOKENS",
+        type="int",
+        default="-",
+        meaning="cap on the tokens the prefix cache keeps (unset or -1: unbounded; 0: keep none). vLLM: "
+        "evictable cached blocks above it are evicted when blocks are freed, whole pages first; "
+        "SGLang: unlocked radix entries above it are evicted after each batch",
+    ),
+    Var(
+        name="KVCACHED_GPU_UTILIZATION",
+        type="float",
+        default="0.95",
+        meaning="fraction in (0, 1] of a device's memory that all instances on it may map together (the device budget)",
+    ),
+    Var(
+        name="KVCACHED_HOST_MEMORY_BUDGET",
+        type="size",
+        default="-",
+        meaning="bytes all instances on the host backend (`cpu`) may map together, e.g. `8G` (unset: "
+        "`KVCACHED_GPU_UTILIZATION` of the host memory)",
+    ),
+    Var(
+        name="KVCACHED_IPC_TIMEOUT",
+        type="float",
+        default="10",
+        meaning="seconds one TP request may take before the coordinator treats the rank as not answering "
+        "(recovery gets 3x)",
+    ),
+    Var(
+        name="KVCACHED_PP_SIZE",
+        type="int",
+        default="1",
+        meaning="pipeline stages a TP coordinator covers when built for every stage",
+    ),
+    Var(
+        name="KVCACHED_IPC_SPIN_US",
+        type="float",
+        default="50",
+        meaning="microseconds a TP coordinator polls for a reply before it sleeps (0: sleep at once)",
+    ),
+    Var(
+        name="KVCACHED_FAULT_INJECT",
+        type="spec",
+        default="-",
+        meaning="tests: `op:N[xM]` makes the Nth backend call fail (`create`, `map`, `set_access`, `unmap`, `release`)",
+    ),
+    Var(
+        name="KVCACHED_IPC_FAULT_INJECT",
+        type="spec",
+        default="-",
+        meaning="tests: `command:nth:action[,...]` makes a TP worker drop, exit, delay or fail a request "
+        "(see `kvcached/ipc/faults.py`)",
+    ),
+)
+
+BY_NAME: Dict[str, Var] = {v.name: v for v in VARIABLES}
+
+# Variables of the engines that kvcached reads to refuse a configuration it cannot
+# serve; the engines define them, so they are not in VARIABLES (nor in README's table).
+ENGINE_VARIABLES = ("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
+
+
+# ------------------------------------------------------------------- parsing
+
+
+def _raw(name: str, *types: str) -> Optional[str]:
+    """The value of table variable ``name`` (whose table type is one of ``types``),
+    or None when unset or empty. A reader for a name or type not in the table is a bug."""
+    var = BY_NAME.get(name)
+    if var is None:
+        raise KeyError(f"{name} is not in kvcached.config.VARIABLES; add it there (and to README) first")
+    if var.type not in types:
+        raise TypeError(f"{name} is a {var.type} in kvcached.config.VARIABLES, read here as {'/'.join(types)}")
     v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    if v.strip().lower() in ("1", "true", "yes", "on"):
+    if v is None or v.strip() == "":
+        return None
+    return v
+
+
+def parse_bool(name: str, value: str) -> bool:
+    s = value.strip().lower()
+    if s in BOOL_TRUE:
         return True
-    if v.strip().lower() in ("0", "false", "no", "off"):
+    if s in BOOL_FALSE:
         return False
-    raise ValueError(f"{name}={v!r} is not a boolean; use true/false or 1/0")
+    raise ValueError(f"{name}={value!r} is not a boolean; use one of {'/'.join(BOOL_TRUE + BOOL_FALSE)}")
 
 
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if v is None or v == "":
+def get_bool(name: str, default: bool) -> bool:
+    v = _raw(name, "bool")
+    return default if v is None else parse_bool(name, v)
+
+
+def _int(v: str) -> int:
+    # 0x.. / 0o.. accepted as before; a leading zero ("010") is decimal, not an error.
+    s = v.strip()
+    try:
+        return int(s, 0)
+    except ValueError:
+        return int(s, 10)
+
+
+def get_int(name: str, default: int, *, minimum: Optional[int] = None) -> int:
+    v = _raw(name, "int")
+    if v is None:
         return default
     try:
-        return int(v, 0)
+        n = _int(v)
     except ValueError:
         raise ValueError(f"{name}={v!r} is not an integer") from None
+    if minimum is not None and n < minimum:
+        raise ValueError(f"{name}={v!r} must be >= {minimum}")
+    return n
+
+
+def get_float(name: str, default: float, *, unit: str = "a number") -> float:
+    v = _raw(name, "float")
+    if v is None:
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not {unit}") from None
+
+
+def get_str(name: str) -> Optional[str]:
+    return _raw(name, "str", "spec")
+
+
+# ------------------------------------------------------------------- readers
 
 
 def enabled() -> bool:
-    return _env_bool("ENABLE_KVCACHED", False)
+    """ENABLE_KVCACHED, the switch of both engines: true/1/yes/on, or false/0/no/off/unset/empty.
+
+    Anything else raises ValueError naming the accepted values (a typo such as
+    ``ENABLE_KVCACHED=ture`` must not start the engine without kvcached silently)."""
+    return get_bool("ENABLE_KVCACHED", False)
+
+
+def autopatch_enabled() -> bool:
+    """KVCACHED_AUTOPATCH (default true): false/0/no/off turns the interpreter-start hook off."""
+    return get_bool("KVCACHED_AUTOPATCH", True)
+
+
+def ipc_name_env() -> Optional[str]:
+    """KVCACHED_IPC_NAME as set (not validated; kvcached.naming applies the rules)."""
+    return get_str("KVCACHED_IPC_NAME")
 
 
 def page_size() -> int:
-    return _env_int("KVCACHED_PAGE_SIZE", DEFAULT_PAGE_SIZE)
+    return get_int("KVCACHED_PAGE_SIZE", DEFAULT_PAGE_SIZE)
 
 
 def contiguous_layout() -> bool:
-    return _env_bool("KVCACHED_CONTIGUOUS_LAYOUT", False)
+    return get_bool("KVCACHED_CONTIGUOUS_LAYOUT", False)
 
 
 def min_reserved_pages() -> int:
-    return _env_int("KVCACHED_MIN_RESERVED_PAGES", 5)
+    return get_int("KVCACHED_MIN_RESERVED_PAGES", 5)
 
 
 def max_reserved_pages() -> int:
-    return _env_int("KVCACHED_MAX_RESERVED_PAGES", 10)
+    return get_int("KVCACHED_MAX_RESERVED_PAGES", 10)
 
 
 def page_prealloc_enabled() -> bool:
-    return _env_bool("KVCACHED_PAGE_PREALLOC_ENABLED", True)
+    return get_bool("KVCACHED_PAGE_PREALLOC_ENABLED", True)
 
 
 def capacity_ttl_s() -> float:
@@ -61,7 +279,121 @@ def capacity_ttl_s() -> float:
     plane's free pages and the device's free memory when this manager did not
     change pages in between (KVCACHED_CAPACITY_TTL_MS, default 10 ms; 0: read
     every time). A limit change by another thread is seen within this time."""
-    ms = _env_int("KVCACHED_CAPACITY_TTL_MS", 10)
+    ms = get_int("KVCACHED_CAPACITY_TTL_MS", 10)
     if ms < 0:
         raise ValueError(f"KVCACHED_CAPACITY_TTL_MS={ms} must be >= 0")
     return ms / 1000.0
+
+
+def max_cached_tokens() -> Optional[int]:
+    """KVCACHED_MAX_CACHED_TOKENS, the prefix-cache bound of both engines.
+
+    Unset, empty or -1: None (unbounded). An integer >= 0: that many tokens
+    (0 keeps nothing cached). Anything else raises ValueError naming the fix."""
+    name = "KVCACHED_MAX_CACHED_TOKENS"
+    v = _raw(name, "int")
+    if v is None:
+        return None
+    try:
+        n = int(v.strip())
+    except ValueError:
+        raise ValueError(
+            f"{name}={v!r} is not an integer number of tokens; use e.g. 65536, or -1 / unset for unbounded"
+        ) from None
+    if n == -1:
+        return None
+    if n < 0:
+        raise ValueError(f"{name}={v!r} is negative; use a token count >= 0, or -1 / unset for unbounded")
+    return n
+
+
+DEFAULT_GPU_UTILIZATION = 0.95
+
+
+def gpu_utilization() -> float:
+    """KVCACHED_GPU_UTILIZATION as a fraction in (0, 1]; raises ValueError naming the fix."""
+    name = "KVCACHED_GPU_UTILIZATION"
+    v = _raw(name, "float")
+    if v is None:
+        return DEFAULT_GPU_UTILIZATION
+    try:
+        f = float(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not a number; use a fraction such as 0.9") from None
+    if not 0.0 < f <= 1.0:
+        raise ValueError(f"{name}={v!r} is outside (0, 1]; use a fraction such as 0.9")
+    return f
+
+
+def host_memory_budget() -> Optional[int]:
+    """KVCACHED_HOST_MEMORY_BUDGET in bytes (None: unset, ask the backend); ValueError names the fix."""
+    name = "KVCACHED_HOST_MEMORY_BUDGET"
+    v = _raw(name, "size")
+    if v is None:
+        return None
+    from kvcached.limits.units import parse_size  # no torch, no extension
+
+    try:
+        n = parse_size(v)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    if n <= 0:
+        raise ValueError(f"{name}={v!r} must be a positive size such as 8G")
+    return n
+
+
+DEFAULT_IPC_TIMEOUT_S = 10.0
+
+
+def ipc_timeout_s() -> float:
+    """KVCACHED_IPC_TIMEOUT in seconds (> 0, default 10)."""
+    name = "KVCACHED_IPC_TIMEOUT"
+    v = _raw(name, "float")
+    if v is None:
+        return DEFAULT_IPC_TIMEOUT_S
+    t = get_float(name, DEFAULT_IPC_TIMEOUT_S, unit="a number of seconds")
+    if not t > 0:
+        raise ValueError(f"{name}={v!r} must be > 0 seconds")
+    return t
+
+
+def pp_size() -> int:
+    """KVCACHED_PP_SIZE (>= 1, default 1)."""
+    return get_int("KVCACHED_PP_SIZE", 1, minimum=1)
+
+
+DEFAULT_IPC_SPIN_US = 50.0
+
+
+def ipc_spin_us() -> float:
+    """KVCACHED_IPC_SPIN_US in microseconds (>= 0, default 50)."""
+    name = "KVCACHED_IPC_SPIN_US"
+    us = get_float(name, DEFAULT_IPC_SPIN_US, unit="a number of microseconds")
+    if us < 0:
+        raise ValueError(f"{name}={os.environ.get(name)!r} must be >= 0")
+    return us
+
+
+def ipc_fault_inject() -> Optional[str]:
+    """KVCACHED_IPC_FAULT_INJECT as set (parsed by kvcached.ipc.faults)."""
+    return get_str("KVCACHED_IPC_FAULT_INJECT")
+
+
+# ------------------------------------------------------------------- README
+
+
+def markdown_table() -> str:
+    """README's "Environment variables" table, generated from ``VARIABLES``."""
+    rows = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    for v in VARIABLES:
+        rows.append(f"| `{v.name}` | {v.type} | {v.default} | {v.meaning} |")
+    return "\n".join(rows)
+
+
+README_START = "<!-- env table: generated by kvcached.config.readme_section() (tests/test_config.py checks it) -->"
+README_END = "<!-- end of env table -->"
+
+
+def readme_section() -> str:
+    """The block README.md carries between its markers (checked by tests/test_config.py)."""
+    return f"{README_START}\n{markdown_table()}\n{README_END}"

@@ -16,9 +16,9 @@ import time
 from typing import List, Optional
 
 from kvcached import _C
-from kvcached.limits.naming import ENV_IPC_NAME, default_instance_name, validate_name
 from kvcached.limits.records import RecordView, list_records, read_record
 from kvcached.limits.units import format_size
+from kvcached.naming import default_instance_name, env_instance_name, validate_name
 
 APPLIED = "applied"
 DEFERRED = "deferred"
@@ -64,7 +64,7 @@ class LimitResult(str):
 
     def __new__(
         cls, status: str, *, name: str = "", revision: int = 0, limit: int = 0, mapped: int = 0, message: str = ""
-    ) -> "LimitResult":
+    ) -> LimitResult:
         self = super().__new__(cls, status)
         self.name = name
         self.revision = revision
@@ -89,14 +89,15 @@ def resolve_instance_name(name: Optional[str] = None) -> str:
     """The instance a call without an explicit name means.
 
     Order: ``name``; ``KVCACHED_IPC_NAME``; the single record this process
-    owns; the single live ``kvcached_<engine>_<pgid>`` record of this process
-    group. Raises ValueError (saying to pass ``name=``) when none or several fit.
+    owns; the single live ``kvcached_<engine>_<pid>`` record whose pid is this
+    process or its process-group leader (a script that started the engine).
+    Raises ValueError (saying to pass ``name=``) when none or several fit.
     """
     if name:
         return validate_name(name)
-    env = os.environ.get(ENV_IPC_NAME)
+    env = env_instance_name()
     if env:
-        return validate_name(env)
+        return env
     # Imported here: the owner side pulls in threading machinery tools do not need.
     from kvcached.limits.instance import owned_instances
 
@@ -105,13 +106,11 @@ def resolve_instance_name(name: Optional[str] = None) -> str:
         return own[0]
     if len(own) > 1:
         raise ValueError(f"this process owns several instances ({', '.join(sorted(own))}); pass name=")
-    candidates = {default_instance_name(e) for e in _ENGINES}
+    candidates = {default_instance_name(e, pid) for e in _ENGINES for pid in {os.getpid(), os.getpgid(0)}}
     found = [r.name for r in list_records() if r.name in candidates and r.alive]
     if len(found) == 1:
         return found[0]
-    raise ValueError(
-        "cannot tell which instance to limit: pass name= or set KVCACHED_IPC_NAME (see `kvctl list`)"
-    )
+    raise ValueError("cannot tell which instance to limit: pass name= or set KVCACHED_IPC_NAME (see `kvctl list`)")
 
 
 def validate_limit(limit_bytes: object, rec: RecordView) -> Optional[str]:
@@ -163,23 +162,37 @@ def set_instance_memory_limit(
     rec = RecordView.from_snapshot(tracker.snapshot())
     why = validate_limit(limit_bytes, rec)
     if why:
-        return LimitResult(REJECTED, name=target, revision=rec.revision, limit=rec.limit, mapped=rec.mapped, message=why)
+        return LimitResult(
+            REJECTED, name=target, revision=rec.revision, limit=rec.limit, mapped=rec.mapped, message=why
+        )
     if revision is not None:
         if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
             return LimitResult(
-                REJECTED, name=target, revision=rec.revision, limit=rec.limit, mapped=rec.mapped,
+                REJECTED,
+                name=target,
+                revision=rec.revision,
+                limit=rec.limit,
+                mapped=rec.mapped,
                 message=f"revision must be a non-negative integer from a previous read, got {revision!r}",
             )
         if revision < rec.revision:
             return LimitResult(
-                STALE, name=target, revision=rec.revision, limit=rec.limit, mapped=rec.mapped,
+                STALE,
+                name=target,
+                revision=rec.revision,
+                limit=rec.limit,
+                mapped=rec.mapped,
                 message=f"revision {revision} is older than the record's {rec.revision}; re-read and retry",
             )
     new_rev = int(tracker.set_limit(int(limit_bytes), -1 if revision is None else int(revision)))
     if new_rev < 0:
         cur = RecordView.from_snapshot(tracker.snapshot())
         return LimitResult(
-            CONFLICT, name=target, revision=cur.revision, limit=cur.limit, mapped=cur.mapped,
+            CONFLICT,
+            name=target,
+            revision=cur.revision,
+            limit=cur.limit,
+            mapped=cur.mapped,
             message=f"revision {revision} is not the record's ({cur.revision}); re-read and retry",
         )
     # The owner's watcher acknowledges within milliseconds; waiting briefly lets
@@ -194,12 +207,20 @@ def set_instance_memory_limit(
     mapped = int(snap.used + snap.prealloc)
     if not acked:
         return LimitResult(
-            DEFERRED, name=target, revision=new_rev, limit=int(limit_bytes), mapped=mapped,
+            DEFERRED,
+            name=target,
+            revision=new_rev,
+            limit=int(limit_bytes),
+            mapped=mapped,
             message=f"written; the owner (pid {snap.owner_pid}) has not applied it yet",
         )
     if mapped > int(limit_bytes):
         return LimitResult(
-            DEFERRED, name=target, revision=new_rev, limit=int(limit_bytes), mapped=mapped,
+            DEFERRED,
+            name=target,
+            revision=new_rev,
+            limit=int(limit_bytes),
+            mapped=mapped,
             message=f"in force for new pages; {format_size(mapped)} still mapped, shrinking as live blocks are freed",
         )
     return LimitResult(APPLIED, name=target, revision=new_rev, limit=int(limit_bytes), mapped=mapped, message="applied")

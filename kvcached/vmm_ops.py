@@ -18,19 +18,23 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from kvcached import _C, config
 from kvcached._C import PageAllocator  # noqa: F401  (upstream name)
+from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError
 
 _INT_DTYPES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def init_kvcached(
-    dev_str: str = "cuda:0",
+    dev_str: Union[str, int, object] = "cuda:0",
     page_size: Optional[int] = None,
     contiguous_layout: Optional[bool] = None,
 ) -> None:
-    """Initializes the data plane for one device ('cpu' selects the host backend)."""
+    """Initializes the data plane for one device ('cpu' selects the host backend).
+
+    A string goes to the extension as given (it names what is wrong with it);
+    an int or a torch.device is turned into one by kvcached.devices."""
     _C.init_kvcached(
-        str(dev_str),
+        dev_str if isinstance(dev_str, str) else normalize_device(dev_str),
         config.page_size() if page_size is None else int(page_size),
         config.contiguous_layout() if contiguous_layout is None else bool(contiguous_layout),
     )
@@ -41,7 +45,7 @@ def shutdown_kvcached() -> None:
     _C.shutdown_kvcached()
 
 
-def _torch_dtype(torch, dtype: Union[int, "object"]):
+def _torch_dtype(torch, dtype: Union[int, object]):
     if isinstance(dtype, int):
         if dtype not in _INT_DTYPES:
             raise InvalidArgumentError(f"dtype_size {dtype} is not supported; use 1, 2, 4 or 8 or a torch.dtype")
@@ -53,13 +57,13 @@ def _torch_dtype(torch, dtype: Union[int, "object"]):
 
 def create_kv_tensors(
     size: int,
-    dtype_size: Union[int, "object"],
+    dtype_size: Union[int, object],
     dev_str: str,
     num_layers: int,
     num_kv_buffers: int = 2,
     group_id: int = 0,
     chunk_bytes: Optional[int] = None,
-) -> List["object"]:
+) -> List[object]:
     """Creates the KV tensors of a group and returns one view per layer.
 
     ``size`` is the byte size of one K (or V) buffer of one layer, rounded up
@@ -87,12 +91,12 @@ def create_kv_tensors(
     return _layer_views(torch, capsules, group_id, dtype, chunk)
 
 
-def _same_device(a: str, b: str) -> bool:
-    def norm(d: str) -> str:
-        d = str(d)
-        return d if ":" in d or d == "cpu" else d + ":0"
-
-    return norm(a) == norm(b)
+def _same_device(a: object, b: object) -> bool:
+    # A device that does not parse is not the initialized one: the caller then says so.
+    try:
+        return normalize_device(a) == normalize_device(b)
+    except InvalidArgumentError:
+        return False
 
 
 def _layer_views(torch, capsules, group_id: int, dtype, chunk: int):
@@ -106,13 +110,13 @@ def _layer_views(torch, capsules, group_id: int, dtype, chunk: int):
         flat = raw[0]
         stride = layers * kv * chunk_elems
         return [
-            flat.as_strided((kv, num_chunks, chunk_elems), (chunk_elems, stride, 1), l * kv * chunk_elems)
-            for l in range(layers)
+            flat.as_strided((kv, num_chunks, chunk_elems), (chunk_elems, stride, 1), layer * kv * chunk_elems)
+            for layer in range(layers)
         ]
     return [t.view(kv, num_chunks, chunk_elems) for t in raw]
 
 
-def get_raw_kv_tensors(group_id: int = 0) -> List["object"]:
+def get_raw_kv_tensors(group_id: int = 0) -> List[object]:
     """The group's address ranges as flat uint8 tensors (one per layer, or one
     compound range in the contiguous layout), for engine-specific views."""
     import torch

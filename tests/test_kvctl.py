@@ -129,7 +129,9 @@ def test_concurrent_writers_last_revision_wins_no_torn_record(inst):
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "kvcached.cli.kvctl", "limit", name, str(sz), "--json", "--wait", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for sz in sizes
     ]
@@ -162,9 +164,7 @@ def test_list_delete_and_cleanup():
         r = kvctl("delete", prefix + "x")
         assert r.returncode == 2 and "is alive" in r.stderr and "--force" in r.stderr
         w.kill()
-        assert any(
-            ln.startswith(prefix + "x") and " dead " in ln for ln in kvctl("list").stdout.splitlines()
-        )
+        assert any(ln.startswith(prefix + "x") and " dead " in ln for ln in kvctl("list").stdout.splitlines())
         r = kvctl("delete", prefix + "x", "--json")
         assert r.returncode == 0 and json.loads(r.stdout) == {"deleted": [prefix + "x"]}
         assert record_state(prefix + "x") is None
@@ -197,7 +197,9 @@ def test_kvtop_once_without_gpu_libraries(inst):
 def test_kvtop_refreshes_and_kvctl_watch(inst):
     r = subprocess.run(
         [sys.executable, "-m", "kvcached.cli.kvtop", "-n", "0.05", "--count", "3"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 0 and r.stdout.count("kvtop  ") == 3 and r.stdout.count(inst.name) == 3
     r = kvctl("kvtop", "--once")

@@ -29,7 +29,9 @@ def test_interpreter_start_stays_cheap():
     # torch nor the extension.
     out = subprocess.run(
         [sys.executable, "-c", "import sys; print('torch' in sys.modules, 'kvcached._C' in sys.modules)"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.split() == ["False", "False"]
 

@@ -74,12 +74,20 @@ def _set_limit(name: str, limit: int, revision: Optional[int], as_json: bool, wa
         raise BadInput(r.message)
     if as_json:
         _print_json(
-            {"name": r.name, "status": r.status, "revision": r.revision, "limit": r.limit, "mapped": r.mapped,
-             "message": r.message}
+            {
+                "name": r.name,
+                "status": r.status,
+                "revision": r.revision,
+                "limit": r.limit,
+                "mapped": r.mapped,
+                "message": r.message,
+            }
         )
     elif r in (APPLIED, DEFERRED):
-        print(f"{r.name}: limit {format_size(r.limit)} ({r.limit} bytes), revision {r.revision}: {r.status}"
-              + ("" if r == APPLIED else f" ({r.message})"))
+        print(
+            f"{r.name}: limit {format_size(r.limit)} ({r.limit} bytes), revision {r.revision}: {r.status}"
+            + ("" if r == APPLIED else f" ({r.message})")
+        )
     else:
         print(f"kvctl: {r.name}: {r.status}: {r.message}", file=sys.stderr)
     return EXIT_OK if r in (APPLIED, DEFERRED) else EXIT_FAILED

@@ -45,14 +45,16 @@ def frame(records: Sequence[RecordView], interval: float) -> str:
         rows = []
         for d in devs:
             usable, held, mapped = int(d["usable"]), int(d["held"]), int(d["mapped"])  # type: ignore[arg-type]
-            rows.append([
-                str(d["device"]),
-                format_size(usable) if usable else "-",
-                format_size(held),
-                format_size(mapped),
-                bar(mapped, usable) + " " + percent(mapped, usable),
-                f"{d['alive']} alive, {d['dead']} dead",
-            ])
+            rows.append(
+                [
+                    str(d["device"]),
+                    format_size(usable) if usable else "-",
+                    format_size(held),
+                    format_size(mapped),
+                    bar(mapped, usable) + " " + percent(mapped, usable),
+                    f"{d['alive']} alive, {d['dead']} dead",
+                ]
+            )
         lines.append(render(("DEVICE", "USABLE", "HELD", "MAPPED", "USE", "INSTANCES"), rows))
         lines.append("")
     if not records:
@@ -60,19 +62,23 @@ def frame(records: Sequence[RecordView], interval: float) -> str:
         return "\n".join(lines)
     rows = []
     for r in records:
-        rows.append([
-            r.name,
-            r.engine or "-",
-            r.device,
-            str(r.owner_pid),
-            r.state,
-            format_size(r.limit),
-            format_size(r.used),
-            format_size(r.prealloc),
-            format_size(r.granted) if r.granted else "-",
-            bar(r.mapped, r.limit) + " " + percent(r.mapped, r.limit),
-        ])
-    lines.append(render(("NAME", "ENGINE", "DEVICE", "PID", "STATE", "LIMIT", "USED", "PREALLOC", "GRANT", "MAPPED/LIMIT"), rows))
+        rows.append(
+            [
+                r.name,
+                r.engine or "-",
+                r.device,
+                str(r.owner_pid),
+                r.state,
+                format_size(r.limit),
+                format_size(r.used),
+                format_size(r.prealloc),
+                format_size(r.granted) if r.granted else "-",
+                bar(r.mapped, r.limit) + " " + percent(r.mapped, r.limit),
+            ]
+        )
+    lines.append(
+        render(("NAME", "ENGINE", "DEVICE", "PID", "STATE", "LIMIT", "USED", "PREALLOC", "GRANT", "MAPPED/LIMIT"), rows)
+    )
     return "\n".join(lines)
 
 

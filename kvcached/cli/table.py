@@ -8,8 +8,20 @@ from kvcached.limits.budget import WANT_TTL_S
 from kvcached.limits.records import RecordView
 from kvcached.limits.units import format_size
 
-RECORD_HEADERS = ("NAME", "ENGINE", "DEVICE", "PID", "STATE", "LIMIT", "USED", "PREALLOC", "MAPPED", "LIMIT%", "WANTS",
-                  "REV")
+RECORD_HEADERS = (
+    "NAME",
+    "ENGINE",
+    "DEVICE",
+    "PID",
+    "STATE",
+    "LIMIT",
+    "USED",
+    "PREALLOC",
+    "MAPPED",
+    "LIMIT%",
+    "WANTS",
+    "REV",
+)
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -66,9 +78,7 @@ def device_summaries(records: Sequence[RecordView]) -> List[Dict[str, object]]:
     """Per device: usable bytes (as its instances report it), held, mapped, counts."""
     out: Dict[str, Dict[str, object]] = {}
     for r in records:
-        d = out.setdefault(
-            r.device, {"device": r.device, "usable": 0, "held": 0, "mapped": 0, "alive": 0, "dead": 0}
-        )
+        d = out.setdefault(r.device, {"device": r.device, "usable": 0, "held": 0, "mapped": 0, "alive": 0, "dead": 0})
         d["usable"] = max(int(d["usable"]), r.device_bytes)  # type: ignore[arg-type]
         d["held"] = int(d["held"]) + r.held  # type: ignore[arg-type]
         d["mapped"] = int(d["mapped"]) + (r.mapped if r.alive else 0)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 
+from kvcached import naming
 from kvcached.errors import InvalidArgumentError
 
 logger = logging.getLogger("kvcached.elastic")
@@ -55,7 +56,7 @@ def cleanup_dead_instances() -> None:
 
 def cleanup_instance(base: str, wait_s: float = 10.0) -> None:
     """Removes the record and socket directory of instance ``base`` (and its
-    ``_dp<k>`` engines) once their owners are dead.
+    sub-instances: ``_dp<k>`` engines, ``_pp/_tp`` ranks, ``_g`` groups) once their owners are dead.
 
     Run at exit of the process that started the engine (API server / LLM
     script): vLLM's default shutdown (``--shutdown-timeout 0``) SIGKILLs the
@@ -67,7 +68,7 @@ def cleanup_instance(base: str, wait_s: float = 10.0) -> None:
     from kvcached.limits.records import list_records
 
     deadline = time.monotonic() + wait_s
-    names = {base} | {r.name for r in list_records() if r.name.startswith(base + "_dp")}
+    names = {base} | {r.name for r in list_records() if naming.belongs_to(base, r.name)}
     for name in sorted(names):
         while True:
             rec = next((r for r in list_records() if r.name == name), None)

@@ -159,6 +159,8 @@ class PatchManager:
     patches: List[BasePatch] = field(default_factory=list)
     results: Dict[str, PatchResult] = field(default_factory=dict)
     version: Optional[Version] = None
+    # Which route activated the patches first ("autopatch", "plugin"), for logs.
+    activated_via: Optional[str] = None
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _activated: bool = False
 
@@ -231,6 +233,12 @@ class PatchManager:
 
 
 _MANAGERS: Dict[str, "PatchManager"] = {}
+
+
+def manager_of(library: str) -> Optional["PatchManager"]:
+    """The newest patch manager made for ``library`` in this process, if any
+    (engine code that runs under the patches reads it without importing the plugin)."""
+    return _MANAGERS.get(library)
 
 
 def summary_of(library: str) -> str:

@@ -23,7 +23,7 @@ Unarmed cost: one truth test of a module-level dict per request.
 
 from __future__ import annotations
 
-import os
+from kvcached import config
 import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -83,7 +83,7 @@ def arm(spec: str) -> None:
 
 
 def arm_from_env() -> None:
-    spec = os.environ.get("KVCACHED_IPC_FAULT_INJECT")
+    spec = config.ipc_fault_inject()
     if spec:
         arm(spec)
 

@@ -1,6 +1,6 @@
 """Where the worker sockets live, and keeping that place private and clean.
 
-Layout (seeds 002 §8.1), one root per instance and user::
+Layout (names: kvcached.naming, rule 5), one root per instance and user::
 
     /tmp/kvcached-tp-<name>-<hash>/w<rank>.sock          pipeline stage 0
     /tmp/kvcached-tp-<name>-<hash>/pp<k>/w<rank>.sock    stage k >= 1
@@ -21,16 +21,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import logging
 import os
-import re
 import socket
 import stat
 from typing import Iterator, List, Optional
 
+from kvcached import naming
 from kvcached.errors import InvalidArgumentError
-from kvcached.ipc import settings
 
 log = logging.getLogger("kvcached.ipc")
 
@@ -40,13 +38,11 @@ _PROBE_TIMEOUT_S = 0.5
 
 
 def socket_root(ipc_name: Optional[str] = None) -> str:
-    """The socket directory of an instance (not created)."""
-    name = settings.ipc_name() if ipc_name is None else ipc_name
+    """The socket directory of an instance (not created); its name is kvcached.naming's rule 5."""
+    name = naming.ipc_name() if ipc_name is None else ipc_name
     if not name:
         raise InvalidArgumentError("the IPC name must not be empty; set KVCACHED_IPC_NAME")
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:40]
-    digest = hashlib.sha256(f"{os.geteuid()}\0{name}".encode()).hexdigest()[:10]
-    return os.path.join(BASE_DIR, f"kvcached-tp-{safe}-{digest}")
+    return os.path.join(BASE_DIR, naming.socket_dir_name(name))
 
 
 def socket_path(rank: int, pp_rank: int = 0, ipc_name: Optional[str] = None) -> str:
@@ -54,8 +50,8 @@ def socket_path(rank: int, pp_rank: int = 0, ipc_name: Optional[str] = None) -> 
     if rank < 0 or pp_rank < 0:
         raise InvalidArgumentError(f"rank {rank} and pp_rank {pp_rank} must be >= 0")
     root = socket_root(ipc_name)
-    d = root if pp_rank == 0 else os.path.join(root, f"pp{pp_rank}")
-    path = os.path.join(d, f"w{rank}.sock")
+    d = root if pp_rank == 0 else os.path.join(root, naming.stage_dir_name(pp_rank))
+    path = os.path.join(d, naming.socket_file_name(rank))
     if len(path.encode()) > _UNIX_PATH_MAX:
         raise InvalidArgumentError(f"socket path {path!r} is longer than {_UNIX_PATH_MAX} bytes")
     return path
@@ -122,7 +118,7 @@ def _socket_files(root: str) -> List[str]:
 
 def _pp_dirs(root: str) -> List[str]:
     try:
-        return [e for e in os.listdir(root) if re.fullmatch(r"pp\d+", e)]
+        return [e for e in os.listdir(root) if naming.is_stage_dir_name(e)]
     except FileNotFoundError:
         return []
 
@@ -171,7 +167,7 @@ def remove_socket(path: str, inode: Optional[tuple]) -> None:
         if inode is None or (st.st_dev, st.st_ino) == inode:
             os.unlink(path)
     root = os.path.dirname(path)
-    if re.fullmatch(r"pp\d+", os.path.basename(root)):
+    if naming.is_stage_dir_name(os.path.basename(root)):
         with contextlib.suppress(OSError):
             os.rmdir(root)
         root = os.path.dirname(root)

@@ -1,7 +1,10 @@
 """Environment knobs of the IPC fan-out, read when a listener or coordinator is built.
 
+The variables are documented in kvcached.config (the table of all of them):
+
   KVCACHED_IPC_NAME     instance name; the scheduler and its workers must agree on it,
-                        and two engines on one host must differ (default "kvcached").
+                        and two engines on one host must differ (default "kvcached"
+                        for a fan-out built without an engine: kvcached.naming, rule 4).
   KVCACHED_IPC_TIMEOUT  seconds one request may take before the coordinator treats the
                         rank as not answering (default 10). Recovery (rollback, abort,
                         commit retries) gets RECOVERY_FACTOR times this.
@@ -12,56 +15,28 @@
 
 from __future__ import annotations
 
-import os
+from kvcached import config, naming
 
-DEFAULT_IPC_NAME = "kvcached"
-DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_IPC_NAME = naming.DEFAULT_IPC_NAME
+DEFAULT_TIMEOUT_S = config.DEFAULT_IPC_TIMEOUT_S
 # Recovery waits longer than one request: a rank that is merely slow must get the
 # chance to run the queued rollback/commit, or a recoverable case becomes fail-closed.
 RECOVERY_FACTOR = 3.0
+DEFAULT_SPIN_US = int(config.DEFAULT_IPC_SPIN_US)
 
 
 def ipc_name() -> str:
-    return os.environ.get("KVCACHED_IPC_NAME") or DEFAULT_IPC_NAME
+    """KVCACHED_IPC_NAME or "kvcached" (kvcached.naming.ipc_name)."""
+    return naming.ipc_name()
 
 
 def ipc_timeout() -> float:
-    v = os.environ.get("KVCACHED_IPC_TIMEOUT")
-    if v is None or v.strip() == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        t = float(v)
-    except ValueError:
-        raise ValueError(f"KVCACHED_IPC_TIMEOUT={v!r} is not a number of seconds") from None
-    if not t > 0:
-        raise ValueError(f"KVCACHED_IPC_TIMEOUT={v!r} must be > 0 seconds")
-    return t
+    return config.ipc_timeout_s()
 
 
 def pp_size() -> int:
-    v = os.environ.get("KVCACHED_PP_SIZE")
-    if v is None or v.strip() == "":
-        return 1
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"KVCACHED_PP_SIZE={v!r} is not an integer") from None
-    if n < 1:
-        raise ValueError(f"KVCACHED_PP_SIZE={v!r} must be >= 1")
-    return n
-
-
-DEFAULT_SPIN_US = 50
+    return config.pp_size()
 
 
 def ipc_spin_s() -> float:
-    v = os.environ.get("KVCACHED_IPC_SPIN_US")
-    if v is None or v.strip() == "":
-        return DEFAULT_SPIN_US * 1e-6
-    try:
-        us = float(v)
-    except ValueError:
-        raise ValueError(f"KVCACHED_IPC_SPIN_US={v!r} is not a number of microseconds") from None
-    if us < 0:
-        raise ValueError(f"KVCACHED_IPC_SPIN_US={v!r} must be >= 0")
-    return us * 1e-6
+    return config.ipc_spin_us() * 1e-6

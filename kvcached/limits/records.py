@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvcached import _C
+from kvcached.devices import normalize_device
 
 DEVICE_HOST, DEVICE_CUDA, DEVICE_HIP = 0, 1, 2
 _DEVICE_KINDS = {DEVICE_HOST: "cpu", DEVICE_CUDA: "cuda", DEVICE_HIP: "hip"}
@@ -25,22 +26,23 @@ def device_name(device_type: int, device_index: int) -> str:
     return f"{_DEVICE_KINDS.get(device_type, f'type{device_type}')}:{device_index}"
 
 
-def parse_device(device: str) -> Tuple[int, int]:
-    """(device_type, device_index) of a device string; ``cuda`` alone is ``cuda:0``.
+def parse_device(device: object) -> Tuple[int, int]:
+    """(device_type, device_index) of a device for a record's device fields.
 
-    Raises ValueError for anything but ``cpu``, ``cuda[:N]``, ``hip[:N]``.
+    ``hip[:N]`` is the HIP backend's own name; anything else goes through
+    kvcached.devices.normalize_device (``cpu``, ``cuda[:N]``, an int, a
+    torch.device). Raises ValueError (InvalidArgumentError) for the rest.
     """
-    kind, _, idx = str(device).partition(":")
-    codes = {v: k for k, v in _DEVICE_KINDS.items()}
-    if kind not in codes:
-        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda:N' or 'hip:N'")
-    if kind == "cpu":
-        if idx not in ("", "0"):
-            raise ValueError(f"device {device!r}: the host backend has only 'cpu'")
+    if isinstance(device, str):
+        kind, _, idx = device.partition(":")
+        if kind == "hip":
+            if idx and not idx.isdigit():
+                raise ValueError(f"device {device!r}: index must be a non-negative integer")
+            return DEVICE_HIP, int(idx or 0)
+    dev = normalize_device(device)
+    if dev == "cpu":
         return DEVICE_HOST, 0
-    if idx and not idx.isdigit():
-        raise ValueError(f"device {device!r}: index must be a non-negative integer")
-    return codes[kind], int(idx or 0)
+    return DEVICE_CUDA, int(dev.partition(":")[2])
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ class RecordView:
         return d
 
     @classmethod
-    def from_snapshot(cls, s: "_C.MemInfoSnapshot") -> "RecordView":
+    def from_snapshot(cls, s: _C.MemInfoSnapshot) -> RecordView:
         return cls(
             name=s.name,
             engine=s.engine,

@@ -56,14 +56,10 @@ def virtual_kv_bytes(device: str) -> int:
     are mapped on demand and capped by the instance limit (kvctl limit) and the
     device. ``--max-total-tokens`` still caps the pool (SGLang applies it after).
     """
+    from kvcached.devices import normalize_device
     from kvcached.limits import usable_device_bytes
 
-    dev = "cpu" if str(device).startswith("cpu") else str(device)
-    if dev == "cuda":
-        import torch
-
-        dev = f"cuda:{torch.cuda.current_device()}"
-    return int(usable_device_bytes(dev))
+    return int(usable_device_bytes(normalize_device(device)))
 
 
 def _apply_capacity(mod: ModuleType) -> None:

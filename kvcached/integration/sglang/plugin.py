@@ -17,7 +17,6 @@ the supported range. Nothing happens unless ``ENABLE_KVCACHED`` is true.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Optional
 
@@ -67,17 +66,13 @@ def ensure_instance_name() -> str:
     return naming.ensure_instance_name("sglang")
 
 
-_activated_by: Optional[str] = None
-
-
 def activated_by() -> Optional[str]:
     """``"autopatch"`` or ``"plugin"``: which route activated kvcached in this process (None: neither)."""
-    return _activated_by
+    return None if _manager is None else _manager.activated_via
 
 
 def activate(source: str = "autopatch") -> None:
     """Checks the SGLang version and installs the patches (no-op unless ENABLE_KVCACHED)."""
-    global _activated_by
     if not config.enabled():
         return
     from kvcached.autopatch import register_post_import_hook
@@ -90,10 +85,10 @@ def activate(source: str = "autopatch") -> None:
         # One clear line, and stop: running SGLang unpatched while the user
         # asked for kvcached would silently use static memory.
         raise SystemExit(f"kvcached: {e}") from None
-    if _activated_by is None:
-        _activated_by = source
+    if m.activated_via is None:
+        m.activated_via = source
         logger.info("kvcached: SGLang %s patched (via %s, instance %s)",
-                    ".".join(map(str, m.version or ())), source, os.environ.get("KVCACHED_IPC_NAME"))
+                    ".".join(map(str, m.version or ())), source, naming.env_instance_name())
 
 
 def register() -> None:

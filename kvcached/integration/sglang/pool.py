@@ -39,6 +39,7 @@ from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError
 from kvcached.elastic import ElasticInstance, ElasticPool
 from kvcached.integration import runtime
+from kvcached.integration.patch_base import manager_of
 from kvcached.integration.sglang import conflicts, interfaces
 from kvcached.kv_cache_manager import KVCacheManager
 
@@ -235,11 +236,11 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
         instance().add_pool(grp)
         name = grp.record_name
     virt = mgr.geometry.num_pages * mgr.bytes_per_page
-    from kvcached.integration.sglang.plugin import activated_by
-
+    patches = manager_of("sglang")
+    via = patches.activated_via if patches is not None else None
     logger.info(
         "kvcached: elastic %s %r: %d tokens (page %d), %d layers, %.1f MiB virtual, record %s (patched via %s)",
-        grp.pool_class, gid, size, ps, pool.layer_num, virt / (1 << 20), name, activated_by() or "direct use",
+        grp.pool_class, gid, size, ps, pool.layer_num, virt / (1 << 20), name, via or "direct use",
     )
     return grp
 

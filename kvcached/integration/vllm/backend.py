@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from kvcached import config, naming
+from kvcached.devices import normalize_device
 from kvcached.elastic import ElasticInstance, ElasticPool
 from kvcached.elastic.cleanup import cleanup_dead_instances
 from kvcached.errors import InvalidArgumentError
@@ -66,12 +67,7 @@ def take_pool_context() -> Optional[PoolContext]:
 
 
 def _device_of(vllm_config: Any) -> str:
-    dev = getattr(getattr(vllm_config, "device_config", None), "device", None)
-    kind = getattr(dev, "type", str(dev or "cpu"))
-    if kind == "cpu":
-        return "cpu"
-    idx = getattr(dev, "index", None)
-    return f"cuda:{idx or 0}"
+    return normalize_device(getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu")
 
 
 def refuse_unsupported(vllm_config: Any) -> None:
