@@ -159,18 +159,9 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
-    from kvcached import _C
-    from kvcached.limits.records import list_records
+    from kvcached.elastic.cleanup import cleanup_dead_instances
 
-    deleted: List[str] = []
-    for r in list_records():
-        if r.alive or not r.name.startswith(args.prefix):
-            continue
-        try:
-            _C.delete_mem_info_record(r.name, False)  # re-checks liveness: a restarted owner is kept
-            deleted.append(r.name)
-        except _C.KvcachedError:
-            continue
+    deleted = cleanup_dead_instances(args.prefix)
     if args.json:
         _print_json({"deleted": deleted})
     else:

@@ -14,6 +14,7 @@ import glob
 import logging
 import os
 import time
+from typing import List
 
 from kvcached import naming
 from kvcached.errors import InvalidArgumentError
@@ -21,17 +22,20 @@ from kvcached.errors import InvalidArgumentError
 logger = logging.getLogger("kvcached.elastic")
 
 
-def cleanup_dead_instances() -> None:
-    """Deletes records whose owner died and socket directories nobody serves
-    (what a killed engine leaves behind), for this user."""
+def cleanup_dead_instances(prefix: str = "") -> List[str]:
+    """Deletes records whose owner died (names starting with ``prefix``) and
+    socket directories nobody serves (what a killed engine leaves behind), for
+    this user. Returns the records deleted."""
     from kvcached import _C
     from kvcached.ipc import paths
     from kvcached.limits.records import list_records
 
+    deleted: List[str] = []
     for r in list_records():
-        if not r.alive:
+        if not r.alive and r.name.startswith(prefix):
             try:
-                _C.delete_mem_info_record(r.name, False)  # re-checks liveness
+                _C.delete_mem_info_record(r.name, False)  # re-checks liveness: a restarted owner is kept
+                deleted.append(r.name)
                 logger.info("kvcached: removed the record of dead instance %s", r.name)
             except _C.KvcachedError:
                 pass
@@ -52,6 +56,7 @@ def cleanup_dead_instances() -> None:
                     pass  # someone still listens there
         except (OSError, InvalidArgumentError):
             continue
+    return deleted
 
 
 def cleanup_instance(base: str, wait_s: float = 10.0) -> None:
