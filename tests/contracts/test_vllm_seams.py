@@ -1,0 +1,535 @@
+"""Seam contracts: every vLLM name, signature and attribute kvcached's patches rely on,
+read from each vLLM minor's source with ``ast`` (vLLM is never imported).
+
+For every patch of ``kvcached.integration.vllm.versions.all_patches()`` and every
+minor in ``VERSIONS``, the patch's contract (``CONTRACTS`` below: what its code
+touches in vLLM) is checked against that release's source:
+
+* a version inside the patch's range must satisfy the contract (a failure is a
+  patch that no longer fits the engine it claims);
+* a version outside the range where the contract is known to break is an
+  expected failure (``BROKEN``, ``xfail(strict=True)`` with the reason). When
+  the range is widened the xfail no longer applies and the check must pass for
+  real; when vLLM or the contract changes so that it passes, strict xfail
+  reports XPASS and ``BROKEN`` has to be updated;
+* a version outside the range not listed in ``BROKEN`` must pass: the patch's
+  seams are all there, only nobody has proven it yet.
+
+A new patch needs its entry in ``CONTRACTS`` (``test_every_patch_has_a_contract``).
+When a patch learns a new vLLM shape (a guard, a second code path), change its
+contract to accept both shapes and drop the ``BROKEN`` entries that then pass.
+
+Sources come from ``scripts/engine_sources.py`` (sdist, cached outside the
+clone). A version not cached is skipped with the reason, unless
+``KVCACHED_REQUIRE_SEAM_SOURCES=1``, which downloads it.
+
+``python tests/contracts/test_vllm_seams.py`` prints the seam x version table
+with ``file:line`` evidence (what docs/notes/vllm_seams.md is written from).
+
+Why this module is long: the contract table (one entry per vLLM name a patch relies on) is the point of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from seam_ast import (  # noqa: E402
+    Check,
+    Finding,
+    Tree,
+    accepts_engine_call,
+    all_of,
+    annotation_excludes,
+    any_of,
+    callers_within,
+    calls_in,
+    class_member,
+    defines,
+    has_methods,
+    importers_within,
+    mentions,
+    methods_touching,
+    module_binds,
+    overrides_match,
+    sets_attrs,
+    signature,
+    subclass,
+)
+
+# The newest patch release of each minor (pip index versions vllm).
+VERSIONS = ["0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
+
+BP = "vllm.v1.core.block_pool"
+COORD = "vllm.v1.core.kv_cache_coordinator"
+KVU = "vllm.v1.core.kv_cache_utils"
+KVM = "vllm.v1.core.kv_cache_manager"
+STM = "vllm.v1.core.single_type_kv_cache_manager"
+SCHED = "vllm.v1.core.sched.scheduler"
+CORE = "vllm.v1.engine.core"
+KVI = "vllm.v1.kv_cache_interface"
+WUTILS = "vllm.v1.worker.utils"
+CPUW = "vllm.v1.worker.cpu_worker"
+GPUW = "vllm.v1.worker.gpu_worker"
+
+# BlockPool methods that use self.free_block_queue, read against ElasticBlockPool
+# (which keeps only evictable cached blocks there): overridden, or compatible.
+BLOCK_POOL_QUEUE_USERS = {
+    "__init__",  # ElasticBlockPool.__init__ replaces the queue after super().__init__
+    "get_new_blocks",  # overridden
+    "free_blocks",  # overridden
+    "get_num_free_blocks",  # overridden
+    "evict_blocks",  # overridden (calls super, then frees unhashed evictable blocks)
+    "reset_prefix_cache",  # overridden
+    "touch",  # a prefix hit removes a ref_cnt-0 block from the queue: evictable blocks are exactly those
+    "unpin_blocks",  # HiSparse only; kvcached refuses host-resident (HiSparse) KV tensors
+}
+
+# What kv_layout.KVLayoutPlan.from_kv_cache_config and worker_kv read from the
+# KV cache config, in the scheduler (VllmBackend.create) and in every worker.
+LAYOUT = [
+    sets_attrs(KVI, "KVCacheTensor", ["size", "layers", "layer_stride", "block_stride", "offset"]),
+    sets_attrs(KVI, "KVCacheSpec", ["block_size"]),
+    has_methods(KVI, "KVCacheSpec", ["page_size_bytes"]),
+    sets_attrs(KVI, "KVCacheConfig", ["num_blocks", "kv_cache_tensors", "kv_cache_groups"]),
+    sets_attrs(KVI, "KVCacheGroupSpec", ["layer_names", "kv_cache_spec"]),
+    sets_attrs(KVI, "UniformTypeKVCacheSpecs", ["kv_cache_specs"], bases_in=(KVI,)),
+]
+
+CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
+    "elastic_block_pool": [
+        ("coordinator binds BlockPool by module-level name", module_binds(COORD, "BlockPool", BP)),
+        (
+            "KVCacheCoordinator.__init__ builds BlockPool(num_gpu_blocks=...)",
+            calls_in(COORD, "KVCacheCoordinator.__init__", "BlockPool", keywords=("num_gpu_blocks",)),
+        ),
+        (
+            "BlockPool.__init__ signature (forwarded untouched)",
+            signature(BP, "BlockPool.__init__", has=("num_gpu_blocks", "enable_caching", "hash_block_size")),
+        ),
+        (
+            "BlockPool state the subclass reads",
+            sets_attrs(
+                BP,
+                "BlockPool",
+                [
+                    "blocks",
+                    "free_block_queue",
+                    "num_gpu_blocks",
+                    "enable_caching",
+                    "metrics_collector",
+                    "_reuse_watchers",
+                ],
+            ),
+        ),
+        (
+            "BlockPool methods overridden or called",
+            has_methods(
+                BP,
+                "BlockPool",
+                [
+                    "get_num_free_blocks",
+                    "get_new_blocks",
+                    "free_blocks",
+                    "evict_blocks",
+                    "reset_prefix_cache",
+                    "get_usage",
+                    "_maybe_evict_cached_block",
+                    "_notify_reuse",
+                ],
+            ),
+        ),
+        (
+            "free_block_queue users all reviewed",
+            methods_touching(BP, "BlockPool", "free_block_queue", BLOCK_POOL_QUEUE_USERS),
+        ),
+        (
+            "KVCacheBlock fields",
+            sets_attrs(
+                KVU, "KVCacheBlock", ["block_id", "ref_cnt", "pool", "is_null", "prev_free_block", "next_free_block"]
+            ),
+        ),
+        (
+            "KVCacheBlock.block_hash (property or field)",
+            any_of(
+                has_methods(KVU, "KVCacheBlock", ["block_hash"]),
+                sets_attrs(KVU, "KVCacheBlock", ["block_hash"]),
+            ),
+        ),
+        (
+            "KVCacheBlock.pool is the pool itself (not a weakref)",
+            annotation_excludes(KVU, "KVCacheBlock", "pool", ("weakref",)),
+        ),
+        (
+            "ElasticBlockPool overrides take BlockPool's parameters",
+            overrides_match(BP, "BlockPool", ROOT / "kvcached/integration/vllm/block_pool.py", "ElasticBlockPool"),
+        ),
+        (
+            "FreeKVCacheBlockQueue API",
+            all_of(
+                signature(KVU, "FreeKVCacheBlockQueue.__init__", exactly=("self", "blocks")),
+                has_methods(KVU, "FreeKVCacheBlockQueue", ["popleft_n", "append_n", "remove", "get_all_free_blocks"]),
+                sets_attrs(KVU, "FreeKVCacheBlockQueue", ["num_free_blocks"]),
+            ),
+        ),
+        (
+            "vllm_config fields VllmBackend.create reads",
+            all_of(
+                sets_attrs(
+                    "vllm.config.parallel",
+                    "ParallelConfig",
+                    [
+                        "tensor_parallel_size",
+                        "pipeline_parallel_size",
+                        "data_parallel_size",
+                        "data_parallel_rank",
+                        "decode_context_parallel_size",
+                        "prefill_context_parallel_size",
+                    ],
+                ),
+                sets_attrs(
+                    "vllm.config.vllm",
+                    "VllmConfig",
+                    ["parallel_config", "scheduler_config", "device_config", "kv_transfer_config"],
+                ),
+                sets_attrs("vllm.config.device", "DeviceConfig", ["device"]),
+            ),
+        ),
+    ]
+    + [("KV cache config read by the layout plan", all_of(*LAYOUT))],
+    "scheduler_lifecycle": [
+        (
+            "Scheduler.__init__(vllm_config, kv_cache_config, ...)",
+            signature(SCHED, "Scheduler.__init__", has=("vllm_config", "kv_cache_config")),
+        ),
+        (
+            "Scheduler defines shutdown, schedule, update_from_output",
+            has_methods(SCHED, "Scheduler", ["__init__", "shutdown", "schedule", "update_from_output"]),
+        ),
+        ("Scheduler.__init__ builds the KVCacheManager", calls_in(SCHED, "Scheduler.__init__", "KVCacheManager")),
+        (
+            "scheduler.kv_cache_manager.block_pool",
+            all_of(
+                sets_attrs(SCHED, "Scheduler", ["kv_cache_manager"]),
+                sets_attrs(KVM, "KVCacheManager", ["block_pool"]),
+            ),
+        ),
+        (
+            "AsyncScheduler(Scheduler) forwards its __init__ to Scheduler.__init__",
+            all_of(
+                subclass("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", "Scheduler"),
+                calls_in("vllm.v1.core.sched.async_scheduler", "AsyncScheduler.__init__", ".__init__"),
+            ),
+        ),
+        (
+            "parallel / scheduler config fields",
+            all_of(
+                sets_attrs(
+                    "vllm.config.parallel", "ParallelConfig", ["tensor_parallel_size", "pipeline_parallel_size"]
+                ),
+                sets_attrs("vllm.config.scheduler", "SchedulerConfig", ["async_scheduling"]),
+            ),
+        ),
+    ],
+    "engine_core_idle_return": [
+        (
+            "EngineCore.__init__ sets scheduler and _idle_state_callbacks",
+            sets_attrs(CORE, "EngineCore", ["scheduler", "_idle_state_callbacks"]),
+        ),
+        ("EngineCoreProc.input_queue", sets_attrs(CORE, "EngineCoreProc", ["input_queue"])),
+        ("idle callbacks get the core", calls_in(CORE, "EngineCoreProc._notify_idle_state_callbacks", "callback")),
+        ("EngineCoreRequestType.WAKEUP", class_member("vllm.v1.engine", "EngineCoreRequestType", "WAKEUP")),
+        ("Scheduler.has_requests", has_methods(SCHED, "Scheduler", ["has_requests"])),
+    ],
+    "allocate_slots_rollback": [
+        (
+            "KVCacheManager.allocate_slots(self, request, ...)",
+            signature(KVM, "KVCacheManager.allocate_slots", has=("self", "request")),
+        ),
+        ("KVCacheManager.coordinator / block_pool", sets_attrs(KVM, "KVCacheManager", ["coordinator", "block_pool"])),
+        ("coordinator.single_type_managers", sets_attrs(COORD, "KVCacheCoordinator", ["single_type_managers"])),
+        (
+            "single-type manager state rolled back",
+            sets_attrs(
+                STM,
+                "SingleTypeKVCacheManager",
+                ["req_to_blocks", "num_cached_block", "new_block_ids", "_partial_hit_reqs"],
+            ),
+        ),
+        ("Request.request_id", sets_attrs("vllm.v1.request", "Request", ["request_id"])),
+        (
+            "the pool's blocks are allocated only inside allocate_slots",
+            callers_within(
+                KVM, "KVCacheManager", (".allocate_new_blocks", ".allocate_new_computed_blocks"), ("allocate_slots",)
+            ),
+        ),
+    ],
+    "worker_allocate_kv_cache": [
+        (
+            "worker_kv's allocate_kv_cache wrapper accepts vLLM's allocate_kv_cache calls",
+            accepts_engine_call(
+                WUTILS, "allocate_kv_cache", ROOT / "kvcached/integration/vllm/worker_kv.py", "allocate_kv_cache"
+            ),
+        ),
+        (
+            "create_kv_cache_views(raw, spec, num_blocks, layout, tensor, kernel_block_size)",
+            signature(KVI, "create_kv_cache_views", has=("spec", "num_blocks", "layout", "kernel_block_size")),
+        ),
+        ("KVCacheConfig.num_blocks_of", has_methods(KVI, "KVCacheConfig", ["num_blocks_of"])),
+        (
+            "worker ranks (parallel_state groups) and platform",
+            all_of(
+                defines("vllm.distributed.parallel_state", "get_tp_group"),
+                defines("vllm.distributed.parallel_state", "get_pp_group"),
+                defines("vllm.distributed.parallel_state", "get_dp_group"),
+                sets_attrs("vllm.distributed.parallel_state", "GroupCoordinator", ["rank_in_group", "world_size"]),
+                has_methods("vllm.platforms.interface", "Platform", ["is_rocm"]),
+            ),
+        ),
+        ("every by-name importer of allocate_kv_cache is patched", None),  # filled in below
+    ]
+    + [("KV cache config read by the layout plan", all_of(*LAYOUT))],
+    "cpu_worker_capacity": [
+        ("CPUWorker.determine_available_memory", has_methods(CPUW, "CPUWorker", ["determine_available_memory"])),
+        (
+            "CacheConfig.kv_cache_memory_bytes",
+            sets_attrs("vllm.config.cache", "CacheConfig", ["kv_cache_memory_bytes"]),
+        ),
+        (
+            "worker.cache_config",
+            sets_attrs(CPUW, "CPUWorker", ["cache_config"], bases_in=(GPUW, "vllm.v1.worker.worker_base")),
+        ),
+    ],
+    "gpu_worker_capacity": [
+        ("Worker.determine_available_memory", has_methods(GPUW, "Worker", ["determine_available_memory"])),
+        (
+            "Worker.determine_available_memory honours kv_cache_memory_bytes",
+            mentions(GPUW, "Worker.determine_available_memory", "kv_cache_memory_bytes"),
+        ),
+        (
+            "CacheConfig.kv_cache_memory_bytes",
+            sets_attrs("vllm.config.cache", "CacheConfig", ["kv_cache_memory_bytes"]),
+        ),
+    ],
+    "cpu_worker_startup_check_0_32": [
+        (
+            "CPUWorker.__init__(self, vllm_config, ...)",
+            signature(CPUW, "CPUWorker.__init__", has=("self", "vllm_config")),
+        ),
+        (
+            "CPUWorker.__init__ refuses start-up unless kv_cache_memory_bytes is set (what the patch defuses)",
+            mentions(CPUW, "CPUWorker.__init__", "kv_cache_memory_bytes"),
+        ),
+    ],
+}
+
+BY_NAME_PREFIX = "allocate_kv_cache_by_name:"
+
+
+def by_name_contract(module: str) -> List[Tuple[str, Check]]:
+    binds = module_binds(module, "allocate_kv_cache", WUTILS)
+
+    def check(tree: Tree) -> Finding:
+        if tree.module(module) is None:  # the hook never fires: nothing to rebind
+            return Finding(True, tree.rel(module), f"module {module} does not exist in this version (patch idle)")
+        return binds(tree)
+
+    return [(f"{module} binds allocate_kv_cache by name", check)]
+
+
+# Known breaks outside a patch's range: (patch, minor) -> why. Strict xfail.
+# docs/notes/vllm_seams.md has the evidence (file:line) and the patch each needs.
+_KV_OLD = (
+    "0.26-0.28: KVCacheTensor is (size, shared_by, offset, block_stride), one torch.zeros buffer per "
+    "tensor (GPUModelRunner._allocate_kv_cache_tensors, V2 gpu/attn_utils._allocate_kv_cache): "
+    "no allocate_kv_cache, no create_kv_cache_views, no layer_stride"
+)
+_POOL_OLD = (
+    "0.26-0.29: BlockPool has no _reuse_watchers/_notify_reuse and KVCacheBlock no pool "
+    "(ElasticBlockPool.get_new_blocks/free_blocks read them)"
+)
+_POOL_034 = (
+    "0.34: KVCacheBlock.pool is a weakref.ref (BlockPool._weak_self) and BlockPool.free_blocks takes "
+    "evict_first: ElasticBlockPool.free_blocks must follow"
+)
+_ALLOC_029 = "0.29: KVCacheConfig has no num_blocks_of (allocate_kv_cache uses kv_cache_config.num_blocks)"
+_ALLOC_034 = (
+    "0.34: allocate_kv_cache gained allocate= (V2 init_kv_cache always passes it; the extensible KV "
+    "cache's allocator) and vllm.v1.worker.cpu.attn_utils binds it by name"
+)
+_BYNAME_OLD = "0.26-0.28: no allocate_kv_cache: the runners allocate their own buffers"
+BROKEN: Dict[Tuple[str, str], str] = {
+    **{("elastic_block_pool", m): _POOL_OLD + "; " + _KV_OLD for m in ("0.26", "0.27", "0.28")},
+    ("elastic_block_pool", "0.29"): _POOL_OLD,
+    ("elastic_block_pool", "0.34"): _POOL_034,
+    **{("worker_allocate_kv_cache", m): _KV_OLD for m in ("0.26", "0.27", "0.28")},
+    ("worker_allocate_kv_cache", "0.29"): _ALLOC_029,
+    ("worker_allocate_kv_cache", "0.34"): _ALLOC_034,
+    **{(BY_NAME_PREFIX + "vllm.v1.worker.gpu_model_runner", m): _BYNAME_OLD for m in ("0.26", "0.27", "0.28")},
+    **{(BY_NAME_PREFIX + "vllm.v1.worker.gpu.attn_utils", m): _BYNAME_OLD for m in ("0.26", "0.27", "0.28")},
+    **{
+        ("cpu_worker_startup_check_0_32", m): "0.33+: CPUWorker.__init__ no longer compares the reservation with "
+        "free memory (nothing to defuse)"
+        for m in ("0.33", "0.34")
+    },
+}
+
+
+def contract_of(patch_name: str) -> Optional[List[Tuple[str, Check]]]:
+    if patch_name.startswith(BY_NAME_PREFIX):
+        return by_name_contract(patch_name[len(BY_NAME_PREFIX) :])
+    items = CONTRACTS.get(patch_name)
+    if items is None:
+        return None
+    out = []
+    for label, check in items:
+        if check is None:  # the by-name importer list comes from versions.py
+            from kvcached.integration.vllm.versions import ALLOCATE_KV_CACHE_IMPORTERS
+
+            check = importers_within("allocate_kv_cache", WUTILS, "vllm", ALLOCATE_KV_CACHE_IMPORTERS)
+        out.append((label, check))
+    return out
+
+
+# What activation relies on in every process, whatever the patches: the version
+# read by plugin._vllm_version and the vllm.general_plugins load points that
+# reach plugin.register in EngineCore and worker processes.
+ACTIVATION: List[Tuple[str, Check]] = [
+    ("vllm.__version__", module_binds("vllm", "__version__", "vllm.version")),
+    ("EngineCore.__init__ loads general plugins", calls_in(CORE, "EngineCore.__init__", "load_general_plugins")),
+    (
+        "WorkerWrapperBase.init_worker loads general plugins",
+        calls_in("vllm.v1.worker.worker_base", "WorkerWrapperBase.init_worker", "load_general_plugins"),
+    ),
+]
+
+
+# ----------------------------------------------------------------- sources
+
+_engine_sources = None
+_trees: Dict[str, Tree] = {}
+
+
+def engine_sources():
+    global _engine_sources
+    if _engine_sources is None:
+        spec = importlib.util.spec_from_file_location("engine_sources", ROOT / "scripts" / "engine_sources.py")
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        _engine_sources = mod
+    return _engine_sources
+
+
+def tree_of(version: str, download: Optional[bool] = None) -> Tree:
+    """The parsed source tree of vLLM ``version``; skips the test when it is not cached."""
+    if version in _trees:
+        return _trees[version]
+    es = engine_sources()
+    if download is None:
+        download = os.environ.get("KVCACHED_REQUIRE_SEAM_SOURCES") == "1"
+    try:
+        root = es.ensure_source("vllm", version, download=download)
+    except es.SourceUnavailable as e:
+        pytest.skip(
+            f"vLLM {version} source not cached ({e}); "
+            f"python scripts/engine_sources.py vllm {version}, or KVCACHED_REQUIRE_SEAM_SOURCES=1"
+        )
+    _trees[version] = Tree(root, "vllm")
+    return _trees[version]
+
+
+def minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def run_contract(patch_name: str, tree: Tree) -> List[Tuple[str, Finding]]:
+    return [(label, check(tree)) for label, check in contract_of(patch_name) or []]
+
+
+# ------------------------------------------------------------------- tests
+
+
+def _patches():
+    from kvcached.integration.vllm.versions import all_patches
+
+    return all_patches()
+
+
+def _cases():
+    from kvcached.integration.patch_base import parse_version
+
+    cases = []
+    for p in _patches():
+        for v in VERSIONS:
+            marks = []
+            in_range = parse_version(v) in p.versions
+            why = BROKEN.get((p.name, minor(v)))
+            if why and not in_range:
+                marks.append(pytest.mark.xfail(strict=True, reason=why))
+            cases.append(pytest.param(p.name, v, in_range, id=f"{p.name}-{v}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("patch_name,version,in_range", _cases())
+def test_seam_contract(patch_name: str, version: str, in_range: bool) -> None:
+    tree = tree_of(version)
+    findings = run_contract(patch_name, tree)
+    bad = [f"{label}: {f}" for label, f in findings if not f.ok]
+    state = "claimed" if in_range else "not claimed"
+    assert not bad, f"vLLM {version} ({state} by {patch_name}):\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_activation_contract(version: str) -> None:
+    tree = tree_of(version)
+    bad = [f"{label}: {check(tree)}" for label, check in ACTIVATION if not check(tree).ok]
+    assert not bad, f"vLLM {version}:\n  " + "\n  ".join(bad)
+
+
+def test_every_patch_has_a_contract() -> None:
+    missing = [p.name for p in _patches() if contract_of(p.name) is None]
+    assert not missing, f"patches with no seam contract in tests/contracts/test_vllm_seams.py: {missing}"
+
+
+def test_broken_table_names_real_patches() -> None:
+    names = {p.name for p in _patches()}
+    stale = sorted({p for p, _ in BROKEN} - names)
+    assert not stale, f"BROKEN names patches that no longer exist: {stale}"
+
+
+# ------------------------------------------------------------------- table
+
+
+def main() -> int:
+    from kvcached.integration.patch_base import parse_version
+
+    download = "--download" in sys.argv
+    for p in _patches():
+        print(f"## {p.name} ({p.target_module}, claims {p.versions})")
+        for v in VERSIONS:
+            try:
+                tree = tree_of(v, download=download)
+            except BaseException as e:  # pytest.skip outside pytest
+                print(f"  {v}: source not cached ({e})")
+                continue
+            findings = run_contract(p.name, tree)
+            bad = [(label, f) for label, f in findings if not f.ok]
+            mark = "in range" if parse_version(v) in p.versions else "outside"
+            print(f"  {v} [{mark}] {'OK' if not bad else 'BROKEN'}")
+            for label, f in findings if "-v" in sys.argv else bad:
+                print(f"      {label}: {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
