@@ -31,7 +31,10 @@ class Worker:
         self.name = cfg["name"]
         self.proc = subprocess.Popen(
             [sys.executable, WORKER, json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         line = self.proc.stdout.readline()
         if not line:

@@ -41,7 +41,9 @@ def main() -> None:
     _C.init_kvcached(device, page, False)
     _C.create_kv_tensors(pages * page, LAYERS, 2, 0)
     pa = _C.PageAllocator(
-        LAYERS, pages * page, page,
+        LAYERS,
+        pages * page,
+        page,
         min_reserved=int(cfg.get("min_reserved", 0)),
         max_reserved=int(cfg.get("max_reserved", 2)),
     )
@@ -49,8 +51,13 @@ def main() -> None:
     if cfg.get("budget_bytes"):
         budget = DeviceBudget(device, int(cfg["budget_bytes"]), scope=cfg.get("scope", ""))
     limits = InstanceLimits.for_page_allocator(
-        pa, engine="test", device=device, name=cfg["name"], budget=budget,
-        limit_bytes=cfg.get("limit_bytes"), quantum_bytes=cfg.get("quantum_bytes"),
+        pa,
+        engine="test",
+        device=device,
+        name=cfg["name"],
+        budget=budget,
+        limit_bytes=cfg.get("limit_bytes"),
+        quantum_bytes=cfg.get("quantum_bytes"),
     )
     held: list = []
 
@@ -71,10 +78,17 @@ def main() -> None:
 
     def query() -> dict:
         return {
-            "pid": _pid(), "mapped": pa.get_num_mapped_pages(), "inuse": pa.get_num_inuse_pages(),
-            "reserved": pa.get_num_reserved_pages(), "mem_limit": pa.mem_limit(), "cap": limits.cap,
-            "limit": limits.limit, "applied_revision": limits.applied_revision, "bpp": pa.bytes_per_page,
-            "held": list(held), "mapped_offsets": sorted(_C.mapped_offsets()),
+            "pid": _pid(),
+            "mapped": pa.get_num_mapped_pages(),
+            "inuse": pa.get_num_inuse_pages(),
+            "reserved": pa.get_num_reserved_pages(),
+            "mem_limit": pa.mem_limit(),
+            "cap": limits.cap,
+            "limit": limits.limit,
+            "applied_revision": limits.applied_revision,
+            "bpp": pa.bytes_per_page,
+            "held": list(held),
+            "mapped_offsets": sorted(_C.mapped_offsets()),
         }
 
     print(json.dumps({"ready": query()}), flush=True)
@@ -83,7 +97,7 @@ def main() -> None:
         op = cmd["op"]
         if op == "alloc":
             ok = alloc(int(cmd["n"]))
-            out = {"ok": ok, "ids": held[-int(cmd["n"]):] if ok else []}
+            out = {"ok": ok, "ids": held[-int(cmd["n"]) :] if ok else []}
         elif op == "free":
             free(int(cmd["n"]))
             out = {"ok": True}

@@ -4,6 +4,7 @@ placement, page policy, reserve, deferred release, resize, rollback, bad input."
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import uuid
 
@@ -24,7 +25,10 @@ LAYERS = 2
 @pytest.fixture
 def make(vmm, device, page_size, monkeypatch):
     """Builds a manager over fresh KV tensors: ``per_page`` blocks per page,
-    ``pages`` pages; reserve bounds min 0 / max ``max_reserved``; no pre-map."""
+    ``pages`` pages; reserve bounds min 0 / max ``max_reserved``; no pre-map.
+
+    Parking is off unless a test asks (``empty_page_grace_s``): these tests pin
+    what happens when a page empties; the grace has its own tests below."""
     made = []
 
     def _make(per_page=8, pages=8, num_blocks=None, max_reserved=2, create=True, kv=2, **kw):
@@ -34,6 +38,7 @@ def make(vmm, device, page_size, monkeypatch):
         n = pages * per_page if num_blocks is None else num_blocks
         if create:
             vmm.create_kv_tensors(n * BLOCK_TOKENS * cell, 2, device, LAYERS, kv)
+        kw.setdefault("empty_page_grace_s", 0)
         m = KVCacheManager(n, BLOCK_TOKENS, cell, LAYERS, num_kv_buffers=kv, **kw)
         made.append(m)
         return m
@@ -142,22 +147,20 @@ def test_fast_path_makes_no_call_into_the_page_allocator(make):
     m = make()
     keep = m.alloc(1)  # the page stays held
 
-    class Counting:
-        def __init__(self, pa):
-            self.pa, self.calls = pa, 0
+    calls = []
 
-        def __getattr__(self, name):
-            self.calls += 1
-            return getattr(self.pa, name)
+    def profile(frame, event, arg):  # every call of a C++ function of kvcached._C
+        owner = getattr(arg, "__self__", None)
+        if event == "c_call" and (owner is _C or type(owner).__module__ == "kvcached._C"):
+            calls.append(arg.__name__)
 
-    spy = Counting(m._pa)
-    m._pa = spy
+    sys.setprofile(profile)
     try:
         for _ in range(1000):
             m.free(m.alloc(1))
     finally:
-        m._pa = spy.pa
-    assert spy.calls == 0
+        sys.setprofile(None)
+    assert calls == []
     m.free(keep)
     check_invariants(m)
 
@@ -244,13 +247,13 @@ def test_map_fault_during_alloc_rolls_back_exactly(make):
     m = make(per_page=4, max_reserved=4)
     held = m.alloc(2)  # page with 2 free
     assert m.try_to_reserve(3)  # 2 from the held page + 1 on a fresh page
-    reserved = list(m._reserved)
+    reserved = m.snapshot()["reserved"]
     before = snapshot(m)
     _C.inject_fault("map", 2)  # the second map of the next allocation fails
     with pytest.raises(BackendError):
         m.alloc(3 + 4 * 3)  # reserved ones, the held free ones, then three fresh pages
     assert snapshot(m)["owned"] == before["owned"]
-    assert m._reserved == reserved  # put back in their order
+    assert m.snapshot()["reserved"] == reserved  # put back in their order
     assert snapshot(m)["pages"] == before["pages"]
     check_invariants(m)
     _C.clear_faults()
@@ -277,17 +280,17 @@ def test_unmap_fault_on_free_keeps_page_mapped_and_ledger_consistent(make):
 def test_try_to_reserve_and_free_reserved(make):
     m = make(pages=2, per_page=4)
     assert m.try_to_reserve(3)
-    assert len(m._reserved) == 3 and m.available_size() == 8  # reserved count as available
+    assert m.stats()["reserved_blocks"] == 3 and m.available_size() == 8  # reserved count as available
     assert m.try_to_reserve(2)  # already have >= 2
-    assert len(m._reserved) == 3
+    assert m.stats()["reserved_blocks"] == 3
     assert not m.try_to_reserve(9)
-    assert len(m._reserved) == 3
+    assert m.stats()["reserved_blocks"] == 3
     with pytest.raises(InvalidArgumentError, match="reserved"):
-        m.free([m._reserved[0]])
+        m.free([m.snapshot()["reserved"][0]])
     got = m.alloc(1)
-    assert len(m._reserved) == 2
+    assert m.stats()["reserved_blocks"] == 2
     m.free_reserved()
-    assert m._reserved == [] and m.available_size() == 7
+    assert m.snapshot()["reserved"] == [] and m.available_size() == 7
     m.free(got)
     check_invariants(m)
 

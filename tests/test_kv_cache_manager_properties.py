@@ -42,8 +42,9 @@ class ManagerMachine(RuleBasedStateMachine):
         max_reserved=st.integers(0, 3),
         defer=st.booleans(),
         null=st.booleans(),
+        park=st.booleans(),
     )
-    def setup(self, geometry, pages, max_reserved, defer, null):
+    def setup(self, geometry, pages, max_reserved, defer, null, park):
         block_size, cell = geometry
         _C.clear_faults()
         if _C.is_initialized():
@@ -55,7 +56,15 @@ class ManagerMachine(RuleBasedStateMachine):
         num_blocks = pages * PAGE // block
         vmm_ops.create_kv_tensors(num_blocks * block, 2, "cpu", LAYERS, 2)
         self.m = KVCacheManager(
-            num_blocks, block_size, cell, LAYERS, reserve_null_block=null, defer_physical_release=defer
+            num_blocks,
+            block_size,
+            cell,
+            LAYERS,
+            reserve_null_block=null,
+            defer_physical_release=defer,
+            # Parked pages on or off; a grace far past the test, so that only the
+            # rules below (trim, release_parked, limit, resize) end it: deterministic.
+            empty_page_grace_s=3600.0 if park else 0,
         )
         self.live = []  # allocations the model holds, each a list of ids
         self.reserved = 0
@@ -87,7 +96,7 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.m
         avail = m.available_size()
         before = snapshot(m)
-        reserved = list(m._reserved)
+        reserved = m.snapshot()["reserved"]
         got = m.alloc(n)
         if got is None:
             assert n > avail or not self._exact(), f"alloc({n}) refused with {avail} available"
@@ -100,7 +109,7 @@ class ManagerMachine(RuleBasedStateMachine):
         k = min(n, len(reserved))
         assert got[:k] == reserved[:k]
         for b in got[k:]:
-            assert m.get_page_id(b) < m._target_pages
+            assert m.get_page_id(b) < m.stats()["target_pages"]
         self.reserved -= k
         self.live.append(got)
 
@@ -142,7 +151,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.reserved = max(self.reserved, n)
         else:
             assert snapshot(self.m) == before
-        assert len(self.m._reserved) == self.reserved
+        assert self.m.stats()["reserved_blocks"] == self.reserved
 
     @rule()
     def free_reserved(self):
@@ -154,12 +163,19 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.m
         size = min(pages, m.geometry.num_pages) * PAGE
         full = m.resize(size)
-        assert full == all(pid < m._target_pages for pid in m.get_page_occupancy())
+        target = m.stats()["target_pages"]
+        assert full == all(pid < target for pid in m.get_page_occupancy())
 
     @rule()
     def trim(self):
         self.m.trim()
         assert self.m.page_allocator.get_num_reserved_pages() == 0
+
+    @rule()
+    def release_parked(self):
+        n = self.m.release_parked()
+        assert self.m.stats()["parked_pages"] == 0
+        assert n >= 0
 
     @rule()
     def clear(self):
@@ -181,9 +197,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def release(self, i):
         m = self.m
         marker = self.markers[i % len(self.markers)]
-        retired_before = dict(m._retired)
+        retired_before = m.snapshot()["retired"]
         n = m.release_retired_pages_through(marker)
-        released = set(retired_before) - set(m._held)
+        released = set(retired_before) - set(m.get_page_occupancy())
         assert len(released) == n
         for pid in released:
             assert retired_before[pid] <= marker
@@ -192,16 +208,16 @@ class ManagerMachine(RuleBasedStateMachine):
     def alloc_with_map_fault(self, op, nth, n):
         m = self.m
         before = snapshot(m)
-        reserved = list(m._reserved)
+        reserved = m.snapshot()["reserved"]
         _C.inject_fault(op, nth)
         try:
             got = m.alloc(n)
         except BackendError:
             after = snapshot(m)
             # The ledger is exactly as before; pages rolled back are free or in the reserve.
-            for key in ("owned", "pages", "reserved", "nfree", "mask", "target", "retired", "inuse", "unheld"):
+            for key in ("owned", "pages", "reserved", "nfree", "target", "retired", "parked", "inuse", "logical"):
                 assert after[key] == before[key], key
-            assert m._reserved == reserved
+            assert m.snapshot()["reserved"] == reserved
             return
         finally:
             _C.clear_faults()
@@ -230,9 +246,9 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.m
         ids = self._model_ids()
         assert len(ids) == len(set(ids)), "an id is out twice"
-        expected = set(ids) | set(m._reserved) | (set(m.null_block or []))
+        expected = set(ids) | set(m.snapshot()["reserved"]) | (set(m.null_block or []))
         assert out_ids(m) == expected, "an id was lost or leaked"
-        assert len(m._reserved) == self.reserved
+        assert m.stats()["reserved_blocks"] == self.reserved
         check_invariants(m)
         if self.limit < 0:
             assert m.available_size() == m.logical_free_size()

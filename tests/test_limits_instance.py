@@ -15,7 +15,8 @@ from kvcached import _C
 from kvcached.control import set_instance_memory_limit
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits import DeviceBudget, InstanceLimits, format_size, parse_size
-from kvcached.limits.naming import default_instance_name, group_record_name, instance_name, validate_name
+from kvcached.naming import default_instance_name, instance_name, validate_name
+from kvcached.naming import group_name as group_record_name
 from limits_helpers import BPP, LAYERS, PAGE, record_state, remove_records, unique_prefix
 
 PAGES = 16
@@ -117,8 +118,12 @@ def test_shrink_is_gradual_and_never_unmaps_a_live_page(host, prefix):
 def test_budget_gate_shares_one_device_between_instances(host, prefix):
     budget = DeviceBudget("cpu", 10 * BPP, scope=prefix)
     pa_a, pa_b = host(0), host(1)
-    a = InstanceLimits.for_page_allocator(pa_a, engine="t", device="cpu", name=prefix + "a", budget=budget, quantum_bytes=BPP)
-    b = InstanceLimits.for_page_allocator(pa_b, engine="t", device="cpu", name=prefix + "b", budget=budget, quantum_bytes=BPP)
+    a = InstanceLimits.for_page_allocator(
+        pa_a, engine="t", device="cpu", name=prefix + "a", budget=budget, quantum_bytes=BPP
+    )
+    b = InstanceLimits.for_page_allocator(
+        pa_b, engine="t", device="cpu", name=prefix + "b", budget=budget, quantum_bytes=BPP
+    )
     try:
         assert b.num_free_pages() == 10 - 1  # a holds its first quantum
         a.admit_pages(8)
@@ -231,7 +236,8 @@ def test_control_statuses(host, prefix):
 
 def test_names(monkeypatch):
     monkeypatch.delenv("KVCACHED_IPC_NAME", raising=False)
-    assert instance_name("vllm") == f"kvcached_vllm_{os.getpgid(0)}" == default_instance_name("vllm")
+    # kvcached.naming rule 1: the pid of the engine's first process (was the pgid).
+    assert instance_name("vllm") == f"kvcached_vllm_{os.getpid()}" == default_instance_name("vllm")
     monkeypatch.setenv("KVCACHED_IPC_NAME", "my_model")
     assert instance_name("sglang") == "my_model"
     assert group_record_name("my_model", 2) == "my_model_g2"
@@ -255,7 +261,9 @@ def test_sizes():
 def test_on_free_gives_back_slack_beyond_two_quanta(host, prefix):
     budget = DeviceBudget("cpu", PAGES * BPP, scope=prefix)
     pa = host(max_reserved=2)
-    lim = InstanceLimits.for_page_allocator(pa, engine="t", device="cpu", name=prefix + "f", budget=budget, quantum_bytes=BPP)
+    lim = InstanceLimits.for_page_allocator(
+        pa, engine="t", device="cpu", name=prefix + "f", budget=budget, quantum_bytes=BPP
+    )
     try:
         lim.admit_pages(10)
         ids = pa.alloc_pages(10)
@@ -275,8 +283,12 @@ def test_budget_from_env(monkeypatch):
     monkeypatch.setenv("KVCACHED_GPU_UTILIZATION", "0.5")
     total = _C.backend_info("cpu")["total_bytes"]
     assert abs(DeviceBudget.from_env("cpu").budget_bytes - total // 2) <= 1
-    for name, bad in (("KVCACHED_GPU_UTILIZATION", "1.5"), ("KVCACHED_GPU_UTILIZATION", "x"),
-                      ("KVCACHED_HOST_MEMORY_BUDGET", "abc"), ("KVCACHED_HOST_MEMORY_BUDGET", "-1G")):
+    for name, bad in (
+        ("KVCACHED_GPU_UTILIZATION", "1.5"),
+        ("KVCACHED_GPU_UTILIZATION", "x"),
+        ("KVCACHED_HOST_MEMORY_BUDGET", "abc"),
+        ("KVCACHED_HOST_MEMORY_BUDGET", "-1G"),
+    ):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             DeviceBudget.from_env("cpu")
@@ -341,7 +353,9 @@ def _proc_state(pid: int) -> str:
 
 
 def _start_owner(name: str, mode: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", _OWNER.format(n=4 * BPP), name, mode], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _OWNER.format(n=4 * BPP), name, mode], stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout.readline() == "ok\n"
     deadline = time.monotonic() + 10
     while _proc_state(p.pid) != "Z":  # exited (or its leader thread did), not reaped

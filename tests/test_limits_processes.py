@@ -64,10 +64,14 @@ def test_two_instances_grow_and_shrink_under_changing_limits(prefix, workers):
             target = rng.choice([a.name, b.name])
             size = rng.randint(4, 20) * BPP
             if rng.random() < 0.5:
-                writers.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvcached.cli.kvctl", "limit", target, str(size), "--wait", "0"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                ))
+                writers.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "kvcached.cli.kvctl", "limit", target, str(size), "--wait", "0"],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                )
             else:
                 assert set_instance_memory_limit(size, name=target, wait_s=0).written
             changes += 1

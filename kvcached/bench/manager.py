@@ -3,6 +3,12 @@ vLLM's native BlockPool, measured in the same run.
 
 Rows (each a median over --repeats runs):
   alloc(1)+free(1), held page     the fast path: a held page has a free block
+  alloc(1)+free(1), empty manager a lone request: every free empties the only
+                                  page. "grace off" (empty_page_grace_s=0): each
+                                  pair takes a page from the reserve and gives it
+                                  back through C++; "parked page" (the default):
+                                  the page is kept for a short grace and the
+                                  next alloc reuses it (no C++ call)
   alloc(16)+free(16), held pages  one request's worth of blocks, no page change
   alloc(page)+free, reserve       every alloc needs a fresh page; it comes from
                                   the mapped reserve (a C++ call, no map)
@@ -91,12 +97,13 @@ def _ours(args, per_page: int) -> Dict[str, float]:
     try:
         vmm_ops.create_kv_tensors(num_blocks * args.block_size * cell, 2, args.device, args.layers, 2)
 
-        def manager(max_reserved: int) -> KVCacheManager:
+        def manager(max_reserved: int, null: bool = True, **kw) -> KVCacheManager:
             os.environ["KVCACHED_MIN_RESERVED_PAGES"] = "0"
             os.environ["KVCACHED_MAX_RESERVED_PAGES"] = str(max_reserved)
-            return KVCacheManager(num_blocks, args.block_size, cell, args.layers, reserve_null_block=True)
+            return KVCacheManager(num_blocks, args.block_size, cell, args.layers, reserve_null_block=null, **kw)
 
-        m = manager(4)
+        # The page rows measure what happens when a page empties: no grace.
+        m = manager(4, empty_page_grace_s=0)
         keep = m.alloc(1)  # keeps a page held: the fast path stays on it
 
         def pairs(n: int) -> None:
@@ -128,7 +135,22 @@ def _ours(args, per_page: int) -> Dict[str, float]:
         out["page_reserve"] = _median_rate(pages, args.page_iters, args.repeats) * per_page
         m.shutdown()
 
-        m = manager(0)  # no reserve: every fresh page is mapped, every empty one unmapped
+        # A lone request from an empty manager (no null block holding page 0):
+        # every free empties the only page. Without the grace each pair takes
+        # a page from the reserve and gives it back through C++ (the baseline);
+        # with it the page is parked and the next alloc reuses it.
+        for key, grace in (("pair_empty_nograce", {"empty_page_grace_s": 0}), ("pair_empty", {})):
+            m = manager(4, null=False, **grace)
+
+            def lone(n: int) -> None:
+                alloc, free = m.alloc, m.free
+                for _ in range(n):
+                    free(alloc(1))
+
+            out[key] = _median_rate(lone, args.iters, args.repeats)
+            m.shutdown()
+
+        m = manager(0, empty_page_grace_s=0)  # no reserve: every fresh page is mapped, every empty one unmapped
         m.free(m.alloc(1))
         out["page_map"] = _median_rate(pages, max(1, args.page_iters // 10), args.repeats) * per_page
         m.shutdown()
@@ -178,6 +200,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     rows = [
         row("alloc(1)+free(1), held page", "pair", "pair", "pair"),
+        row("alloc(1)+free(1), empty manager, grace off", "pair", "pair_empty_nograce", "pair"),
+        row("alloc(1)+free(1), empty manager, parked page", "pair", "pair_empty", "pair"),
         row("alloc(16)+free(16), held pages", "block", "batch16", "batch16"),
         row(f"alloc({per_page})+free, page from reserve", "block", "page_reserve", "page"),
         row(f"alloc({per_page})+free, page mapped+unmapped", "block", "page_map", "page"),

@@ -21,6 +21,7 @@ from kvcached import _C, config
 from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError, ShutdownError
 from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.manager_setup import AUTO, build_collaborators
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,17 @@ def make_manager(
     if num_kv_buffers is None:
         rec = _groups.get(group_id)
         num_kv_buffers = rec.num_kv_buffers if rec is not None else 2
+    # The adapter, not the manager, decides how pages are mapped (here or
+    # through the worker fan-out), which record admits them and what must
+    # happen before one is unmapped.
+    defer = bool(kwargs.pop("defer_physical_release", False))
+    mapper, limits, barrier = build_collaborators(
+        world_size=world_size, pp_rank=st.pp_rank, group_id=group_id, async_sched=st.async_sched,
+        defer_physical_release=defer, own_segment=bool(kwargs.pop("own_segment", False)),
+        map_fn=kwargs.pop("map_fn", None), unmap_fn=kwargs.pop("unmap_fn", None), engine=st.engine,
+        device=st.device, pool_name=kwargs.get("pool_name"), mapper=kwargs.pop("mapper", None),
+        limits=kwargs.pop("limits", None), release_barrier=kwargs.pop("release_barrier", AUTO),
+    )
     m = KVCacheManager(
         num_blocks,
         block_size,
@@ -175,12 +187,15 @@ def make_manager(
         num_layers,
         world_size=world_size,
         pp_rank=st.pp_rank,
-        async_sched=st.async_sched,
         reserve_null_block=reserve_null_block,
         num_kv_buffers=num_kv_buffers,
         group_id=group_id,
+        defer_physical_release=defer,
         engine=st.engine,
         device=st.device,
+        mapper=mapper,
+        limits=limits,
+        release_barrier=barrier,
         **kwargs,
     )
     try:

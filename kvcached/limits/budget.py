@@ -128,7 +128,7 @@ class DeviceBudget:
         return self._lock_path
 
     @classmethod
-    def from_env(cls, device: str, *, scope: str = "") -> "DeviceBudget":
+    def from_env(cls, device: str, *, scope: str = "") -> DeviceBudget:
         """The budget of ``device`` per ``KVCACHED_GPU_UTILIZATION`` / ``KVCACHED_HOST_MEMORY_BUDGET``."""
         return cls(device, usable_device_bytes(device), scope=scope)
 

@@ -29,9 +29,10 @@ from typing import Any, Callable, Dict, Optional, Union
 from kvcached import _C
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits.budget import DeviceBudget
-from kvcached.limits.naming import group_record_name, instance_name, validate_name
 from kvcached.limits.records import RecordView, parse_device
 from kvcached.limits.units import format_size
+from kvcached.naming import group_name as group_record_name
+from kvcached.naming import instance_name, validate_name
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +50,10 @@ _PEER_SUM_TTL_S = 0.05
 _SHORTAGE_CHECK_S = 0.25
 
 # Instances owned by this process, for kvcached.control's default target.
-_live: "weakref.WeakValueDictionary[str, InstanceLimits]" = weakref.WeakValueDictionary()
+_live: weakref.WeakValueDictionary[str, InstanceLimits] = weakref.WeakValueDictionary()
 
 
-def owned_instances() -> Dict[str, "InstanceLimits"]:
+def owned_instances() -> Dict[str, InstanceLimits]:
     """Records this process owns and has not closed, by name."""
     return dict(_live)
 
@@ -120,7 +121,9 @@ class InstanceLimits:
                 f"({format_size(device_bytes)}); give a smaller limit_bytes"
             )
         self._quantum_req = quantum_bytes
-        self._tracker = _C.MemInfoTracker.create(self.name, engine, dev_type, dev_index, int(total_bytes), int(limit_bytes))
+        self._tracker = _C.MemInfoTracker.create(
+            self.name, engine, dev_type, dev_index, int(total_bytes), int(limit_bytes)
+        )
         self._tracker.set_device_bytes(device_bytes)
         self._owner_pid = os.getpid()
         self._lock = threading.RLock()  # guards limit/grant/cap and the PageAllocator cap
@@ -138,6 +141,11 @@ class InstanceLimits:
         # Called on the watcher thread when a peer short of budget wakes this
         # instance (the engine looks for cache to give back: see budget.py).
         self.on_peer_short: Optional[Callable[[], None]] = None
+        # Called on the watcher thread, with no lock of this object held, when
+        # mapped pages that hold no block must go now: a limit lowered below
+        # what is mapped, or a peer short of budget. The KVCacheManager sets it
+        # to release its parked pages (which the allocator counts as in use).
+        self.reclaim_unused: Optional[Callable[[], object]] = None
         self._stopping = False
         self._watcher: Optional[threading.Thread] = None
         self._closed = False
@@ -145,12 +153,12 @@ class InstanceLimits:
         # Clean shutdown unlinks the record; a weak reference, so the registry
         # keeps no instance alive that its owner dropped.
         ref = weakref.ref(self)
-        self._atexit = lambda: (ref() and ref().close())  # noqa: E731
+        self._atexit = lambda: ref() and ref().close()  # noqa: E731
         atexit.register(self._atexit)
 
     # ---- properties --------------------------------------------------------
     @property
-    def tracker(self) -> "_C.MemInfoTracker":
+    def tracker(self) -> _C.MemInfoTracker:
         return self._tracker
 
     @property
@@ -171,7 +179,7 @@ class InstanceLimits:
         return RecordView.from_snapshot(self._tracker.snapshot())
 
     # ---- attach / watcher --------------------------------------------------
-    def attach(self, pa: Any) -> "InstanceLimits":
+    def attach(self, pa: Any) -> InstanceLimits:
         """Attaches the record to ``pa`` and starts enforcing the limit.
 
         Attach before the allocator maps anything (pages it mapped earlier are
@@ -201,7 +209,7 @@ class InstanceLimits:
         return self
 
     @classmethod
-    def for_page_allocator(cls, pa: Any, *, engine: str, device: str, **kwargs: Any) -> "InstanceLimits":
+    def for_page_allocator(cls, pa: Any, *, engine: str, device: str, **kwargs: Any) -> InstanceLimits:
         """Creates the record for ``pa`` (capacity taken from it) and attaches it."""
         total = int(pa.get_num_virtual_pages()) * int(pa.bytes_per_page)
         return cls(engine=engine, device=device, total_bytes=total, **kwargs).attach(pa)
@@ -226,6 +234,7 @@ class InstanceLimits:
                     # On the idle timeout keep one quantum for the pool.
                     woken = (time.monotonic() - t0) * 1000 < _IDLE_WAKE_MS * 0.9
                     if woken:
+                        self._reclaim()
                         self.release_slack(0, trim_reserve=True)
                         hook = self.on_peer_short
                         if hook is not None:
@@ -243,9 +252,22 @@ class InstanceLimits:
             if self.budget is not None and self._grant > self._limit:
                 self._grant = max(self._limit, 0)  # budget above the limit is of no use: give it back
             self._enforce_locked()
+            over = self._pa is not None and self._mapped_bytes() > self._cap
+        if over and self._reclaim():
+            with self._lock:
+                self._enforce_locked()  # the pages just handed back went to the reserve: trim it
+        with self._lock:
             self._applied_revision = int(snap.revision)
         self._tracker.ack_revision(snap.revision)
         return int(snap.revision)
+
+    def _reclaim(self) -> bool:
+        """Runs ``reclaim_unused`` (outside the lock: it takes the manager's); True if it ran."""
+        hook = self.reclaim_unused
+        if hook is None:
+            return False
+        hook()
+        return True
 
     def _enforce_locked(self) -> None:
         """Sets the allocator's cap to min(limit, grant) and publishes the grant.
@@ -421,7 +443,11 @@ class InstanceLimits:
 
     def on_free(self) -> None:
         """Cheap hook after frees: gives back slack beyond two quanta."""
-        if self.budget is not None and self._pa is not None and self._published - self._mapped_bytes() > 2 * self._quantum:
+        if (
+            self.budget is not None
+            and self._pa is not None
+            and self._published - self._mapped_bytes() > 2 * self._quantum
+        ):
             self.release_slack(self._quantum)
 
     # ---- shutdown ------------------------------------------------------------
@@ -460,7 +486,7 @@ class InstanceLimits:
         if cur.owner_pid == mine.owner_pid and cur.owner_start_time == mine.owner_start_time:
             self._tracker.unlink()
 
-    def __enter__(self) -> "InstanceLimits":
+    def __enter__(self) -> InstanceLimits:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -103,6 +103,7 @@ class VllmBackend:
         from kvcached.integration.vllm.kv_layout import KVLayoutPlan
         from kvcached.ipc.coordinator import TPCoordinator
         from kvcached.kv_cache_manager import KVCacheManager
+        from kvcached.manager_setup import limits_factory
 
         vc = ctx.vllm_config
         refuse_unsupported(vc)
@@ -120,7 +121,6 @@ class VllmBackend:
         device = _device_of(vc)
         cleanup_dead_instances()
         coordinator = TPCoordinator(tp, pp_size=pp, pp_rank=-1, ipc_name=name, group_id=0)
-        async_sched = bool(getattr(vc.scheduler_config, "async_scheduling", False))
         try:
             manager = KVCacheManager(
                 num_blocks,
@@ -129,19 +129,17 @@ class VllmBackend:
                 plan.physical_pages_per_logical_page(),
                 world_size=tp * pp,
                 pp_rank=-1,
-                async_sched=async_sched,
                 reserve_null_block=True,  # vLLM's null block 0: always mapped, never freed
                 num_kv_buffers=1,
                 group_id=0,
                 pool_name=name,
-                defer_physical_release=True,  # released by the fence
+                defer_physical_release=True,  # released by the fence, after every step that could read a page
+                mapper=coordinator,  # the workers map: separate processes, even at TP=1
                 # The instance's record: kvctl shows and caps it; every page
                 # the manager maps is admitted by the shared device budget.
-                own_segment=True,
-                map_fn=coordinator.map,
-                unmap_fn=coordinator.unmap,
+                limits=limits_factory(engine="vllm", device=device, name=name, group_id=0),
+                release_barrier=None,  # the fence orders release after execution
                 page_size=page,
-                engine="vllm",
                 device=device,
             )
         except BaseException:
