@@ -107,9 +107,8 @@ class BlockGeometry:
             f"on kvcached pages of {self.page_size} bytes"
         )
         if block > self.page_size:
-            raise InvalidArgumentError(
-                f"{where}: the block does not fit in a page; {suggest_geometry(self.block_size, self.cell_size, self.page_size)}"
-            )
+            fix = suggest_geometry(self.block_size, self.cell_size, self.page_size)
+            raise InvalidArgumentError(f"{where}: the block does not fit in a page; {fix}")
         if not _every_page_holds_a_block(self.page_size, block):
             raise InvalidArgumentError(
                 f"{where}: some pages would hold no whole block; "
@@ -119,7 +118,9 @@ class BlockGeometry:
         while last >= 0 and self._straddles(last):
             last -= 1
         if last < 0:  # cannot happen after the checks above (block 0 starts page 0)
-            raise InvalidArgumentError(f"{where}: no block fits; {suggest_geometry(self.block_size, self.cell_size, self.page_size)}")
+            raise InvalidArgumentError(
+                f"{where}: no block fits; {suggest_geometry(self.block_size, self.cell_size, self.page_size)}"
+            )
         self.num_pages = last * block // self.page_size + 1
         self.caps: List[int] = []
         for p in range(self.num_pages):

@@ -80,7 +80,9 @@ def stop_worker_listeners(timeout: float = 5.0) -> bool:
     return ok
 
 
-def get_coordinator(tp_size: int, pp_rank: int = -1, group_id: int = 0, ipc_name: Optional[str] = None) -> TPCoordinator:
+def get_coordinator(
+    tp_size: int, pp_rank: int = -1, group_id: int = 0, ipc_name: Optional[str] = None
+) -> TPCoordinator:
     """The process-wide coordinator for (tp_size, stages, group, name), created once."""
     key = (int(tp_size), int(pp_rank), ipc_name, int(group_id))
     with _lock:

@@ -40,8 +40,9 @@ def log(msg: str) -> None:
 
 
 def kvctl_list(title: str) -> None:
-    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "kvctl"), "list"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "kvctl"), "list"], capture_output=True, text=True
+    )
     print(f"\n--- kvctl list: {title}\n{out.stdout.rstrip() or out.stderr.rstrip()}\n", flush=True)
 
 
@@ -97,8 +98,9 @@ def plot(rec: Recorder, phases: List[Tuple[str, float, float]], budget: int, out
         pairs = dict((round(p[0], 2), p[1]) for p in a)
         total = [(p[0], (p[1] + pairs.get(round(p[0], 2), 0)) / (1 << 20)) for p in b if round(p[0], 2) in pairs]
         if total:
-            ax.step([x for x, _ in total], [y for _, y in total], where="post", color="gray", lw=1, ls=":",
-                    label="A + B")
+            ax.step(
+                [x for x, _ in total], [y for _, y in total], where="post", color="gray", lw=1, ls=":", label="A + B"
+            )
     ax.axhline(budget / (1 << 20), color="red", ls="--", lw=1, label=f"shared budget {format_size(budget)}")
     ax.axhline(budget / 2 / (1 << 20), color="red", ls=":", lw=1, alpha=0.5, label="a static half")
     for label, t0, t1 in phases:
@@ -139,9 +141,12 @@ def main(argv: List[str] = None) -> int:
     try:
         for i, (name, label) in enumerate(names.items()):
             env = vs.engine_env(
-                True, name,
-                KVCACHED_HOST_MEMORY_BUDGET=budget, KVCACHED_PAGE_SIZE=PAGE,
-                KVCACHED_MIN_RESERVED_PAGES=0, KVCACHED_MAX_RESERVED_PAGES=2,
+                True,
+                name,
+                KVCACHED_HOST_MEMORY_BUDGET=budget,
+                KVCACHED_PAGE_SIZE=PAGE,
+                KVCACHED_MIN_RESERVED_PAGES=0,
+                KVCACHED_MAX_RESERVED_PAGES=2,
                 KVCACHED_MAX_CACHED_TOKENS=512,  # a bounded prefix cache: idle engines give memory back
                 VLLM_CPU_OMP_THREADS_BIND=str(i % max(1, os.cpu_count() or 1)),
             )
@@ -156,8 +161,10 @@ def main(argv: List[str] = None) -> int:
                 except RuntimeError:
                     if s.proc.poll() is not None or time.monotonic() - t_start > 600:
                         raise
-                    log(f"waiting for {names[s.name]} to start ({time.monotonic() - t_start:.0f} s; engines take "
-                        f"~30-60 s each here)")
+                    log(
+                        f"waiting for {names[s.name]} to start ({time.monotonic() - t_start:.0f} s; engines take "
+                        f"~30-60 s each here)"
+                    )
             log(f"server {names[s.name]} is up after {time.monotonic() - t_start:.0f} s")
         kvctl_list("both engines idle (only the null block's page is mapped)")
 
@@ -184,8 +191,11 @@ def main(argv: List[str] = None) -> int:
 
         peaks = {names[n]: max((p[1] for p in pts), default=0) for n, pts in rec.series.items()}
         plot(rec, phases, budget, a.out, names)
-        log("peaks: " + ", ".join(f"{k} {format_size(v)}" for k, v in peaks.items())
-            + f"; shared budget {format_size(budget)} (a static split would give each {format_size(budget // 2)})")
+        log(
+            "peaks: "
+            + ", ".join(f"{k} {format_size(v)}" for k, v in peaks.items())
+            + f"; shared budget {format_size(budget)} (a static split would give each {format_size(budget // 2)})"
+        )
         log(f"plot written to {os.path.abspath(a.out)}")
     finally:
         for s in servers:

@@ -149,16 +149,25 @@ def _post(url: str, body: dict | None = None, timeout: float = 60.0):
 def run_server(model: str, page_size: int, log_path: str) -> dict:
     port = _free_port()
     flags = [
-        "--model-path", model,
-        "--device", "cpu",
-        "--attention-backend", "torch_native",
-        "--sampling-backend", "pytorch",
+        "--model-path",
+        model,
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
         "--disable-cuda-graph",
-        "--max-total-tokens", "2048",
-        "--page-size", str(page_size),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--log-level", "warning",
+        "--max-total-tokens",
+        "2048",
+        "--page-size",
+        str(page_size),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
     ]
     cmd = [sys.executable, "-m", "sglang.launch_server", *flags]
     base = f"http://127.0.0.1:{port}"
@@ -238,9 +247,11 @@ def main() -> int:
             r1 = run_engine(model, ps)
             r2 = run_engine(model, ps)
             same = r1["output_ids"] == r2["output_ids"]
-            print(f"page_size={ps}: run1 start {r1['start_s']}s gen {r1['generate_s']}s, "
-                  f"run2 start {r2['start_s']}s gen {r2['generate_s']}s, identical={same}",
-                  flush=True)
+            print(
+                f"page_size={ps}: run1 start {r1['start_s']}s gen {r1['generate_s']}s, "
+                f"run2 start {r2['start_s']}s gen {r2['generate_s']}s, identical={same}",
+                flush=True,
+            )
             for r in (r1, r2):
                 ok &= r["same_ids_repeat"] and r["same_ids_after_flush"]
                 ok &= (r["cached_tokens_repeat"] or 0) > 0 and r["cached_tokens_after_flush"] == 0
@@ -261,8 +272,7 @@ def main() -> int:
         if not a.skip_engine:
             e16 = summary["engine"]["16"]
             s["same_ids_as_engine"] = (
-                s["output_ids"] == e16["output_ids"][0]
-                and s["long_output_ids"] == e16["long_output_ids"]
+                s["output_ids"] == e16["output_ids"][0] and s["long_output_ids"] == e16["long_output_ids"]
             )
             ok &= s["same_ids_as_engine"]
         ok &= (s["cached_tokens_repeat"] or 0) > 0 and s["cached_tokens_after_flush"] == 0

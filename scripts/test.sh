@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up a fresh environment and runs the whole test suite (host backend;
+# Sets up a fresh environment, lints (ruff), and runs the whole test suite (host backend;
 # GPU tests skip cleanly without a GPU), then the real-engine tests
 # (scripts/test_engines.sh: vLLM, scripts/test_engines_sglang.sh: SGLang;
 # KVCACHED_ENGINE_TESTS=0 skips them).
@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVCACHED_TEST_VENV:-.venvs/kvcached}"
 bash scripts/setup_env.sh "$VENV"
+echo "[test] ruff (lint + format)"
+"$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check .
 echo "[test] running pytest"
 # Run from tests/ so the installed package, not the source tree, is imported.
 (cd tests && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" .)

@@ -66,9 +66,14 @@ def hf_reference(model_dir: str, prompt_ids: list[list[int]], max_tokens: int) -
     with torch.no_grad():
         for ids in prompt_ids:
             x = torch.tensor([ids])
-            y = m.generate(x, max_new_tokens=max_tokens, do_sample=False,
-                           eos_token_id=m.config.eos_token_id, pad_token_id=m.config.pad_token_id)
-            res.append(y[0, len(ids):].tolist())
+            y = m.generate(
+                x,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=m.config.eos_token_id,
+                pad_token_id=m.config.pad_token_id,
+            )
+            res.append(y[0, len(ids) :].tolist())
     return res
 
 
@@ -77,8 +82,9 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     ap.add_argument("--model-dir", help="use/build the tiny model here instead of a temp dir")
-    ap.add_argument("--inproc", action="store_true",
-                    help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core + worker in this process)")
+    ap.add_argument(
+        "--inproc", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core + worker in this process)"
+    )
     args = ap.parse_args()
     if args.inproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -119,8 +125,14 @@ def main() -> int:
         for o, t in zip(outs, toks):
             print(f"  prompt_len={len(o.prompt_token_ids)} cached={o.num_cached_tokens} tokens={t}")
         print(f"  metrics: {counters}")
-        passes.append({"tokens": toks, "metrics": counters, "seconds": dt,
-                       "num_cached_tokens": [o.num_cached_tokens for o in outs]})
+        passes.append(
+            {
+                "tokens": toks,
+                "metrics": counters,
+                "seconds": dt,
+                "num_cached_tokens": [o.num_cached_tokens for o in outs],
+            }
+        )
     prompt_ids = [list(o.prompt_token_ids) for o in outs]
 
     ok = passes[0]["tokens"] == passes[1]["tokens"]

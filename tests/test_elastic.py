@@ -34,8 +34,9 @@ def host_plane(monkeypatch):
 
 
 def _manager(**kw) -> KVCacheManager:
-    return KVCacheManager(64, 16, 2 * KiB, 2, reserve_null_block=True, num_kv_buffers=1,
-                          defer_physical_release=True, **kw)
+    return KVCacheManager(
+        64, 16, 2 * KiB, 2, reserve_null_block=True, num_kv_buffers=1, defer_physical_release=True, **kw
+    )
 
 
 def test_fence_waits_for_every_step_that_could_read_a_freed_page(host_plane):
@@ -182,7 +183,9 @@ def test_both_engines_read_the_shared_variables_only_through_config():
     # ENABLE_KVCACHED and KVCACHED_MAX_CACHED_TOKENS mean the same in vLLM and
     # SGLang because nothing but kvcached.config reads them.
     root = os.path.dirname(os.path.dirname(os.path.abspath(config.__file__)))
-    direct = re.compile(r"""(environ(\.get)?\s*[\[(]|getenv\s*\()\s*["'](ENABLE_KVCACHED|KVCACHED_MAX_CACHED_TOKENS)["']""")
+    direct = re.compile(
+        r"""(environ(\.get)?\s*[\[(]|getenv\s*\()\s*["'](ENABLE_KVCACHED|KVCACHED_MAX_CACHED_TOKENS)["']"""
+    )
     offenders = []
     for dirpath, _, files in os.walk(os.path.join(root, "kvcached")):
         for f in files:

@@ -44,7 +44,7 @@ def _elastic(vmm, contiguous: bool):
 def _native(contiguous: bool):
     if contiguous:  # vLLM's block-outermost layout: [block][layer][kv][...]
         buf = torch.zeros(NB, L, 2, BLOCK, KVH, D, device=DEV, dtype=DTYPE)
-        return [(buf[:, l, 0], buf[:, l, 1]) for l in range(L)]
+        return [(buf[:, i, 0], buf[:, i, 1]) for i in range(L)]
     return [tuple(torch.zeros(2, NB, BLOCK, KVH, D, device=DEV, dtype=DTYPE).unbind(0)) for _ in range(L)]
 
 
@@ -130,7 +130,7 @@ def test_attention_over_elastic_kv_matches_native(vmm, contiguous):
     mapped -= set(free_pages)
     for ke, _ in el:
         for p in free_pages:
-            assert int(ke[p * BPP:(p + 1) * BPP].abs().sum()) == 0  # the zero page again
+            assert int(ke[p * BPP : (p + 1) * BPP].abs().sum()) == 0  # the zero page again
     fresh = pages[3][: -(-200 // BLOCK)]
     _map_pages_of(vmm, fresh, mapped)
     _write(el, fresh, gen)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from vmm_helpers import cuda_available
 from kvcached import _C
 from limits_helpers import Worker, kvctl, kvctl_list_json, remove_records, unique_prefix
+from vmm_helpers import cuda_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
 
@@ -31,8 +31,7 @@ def test_two_instances_share_one_gpu():
     prefix = unique_prefix()
     names = [prefix + "a", prefix + "b"]
     base = _device_used()
-    cfg = dict(pages=128, device=DEV, page=PAGE, min_reserved=0, max_reserved=0,
-               budget_bytes=96 * BPP, scope=prefix)
+    cfg = dict(pages=128, device=DEV, page=PAGE, min_reserved=0, max_reserved=0, budget_bytes=96 * BPP, scope=prefix)
     a, b = Worker(name=names[0], **cfg), Worker(name=names[1], **cfg)
     try:
         assert a.call("alloc", n=4)["ok"] and b.call("alloc", n=4)["ok"]

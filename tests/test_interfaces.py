@@ -4,7 +4,6 @@ keep a layout bug from looking like a full pool."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -176,9 +175,7 @@ def test_manager_and_tensors_are_cross_checked_in_both_orders(env):
     # Manager first (scheduler side), then the tensors: checked against it.
     vi.init_kvcached(device=device)
     pages_fn = []
-    m = vi.get_kv_cache_manager(
-        blocks, bs, heads * dim * 4, LAYERS, map_fn=pages_fn.append, unmap_fn=pages_fn.append
-    )
+    m = vi.get_kv_cache_manager(blocks, bs, heads * dim * 4, LAYERS, map_fn=pages_fn.append, unmap_fn=pages_fn.append)
     with pytest.raises(InvalidArgumentError, match="do not match"):
         vi.alloc_kv_cache((2, blocks, bs, heads, dim), bs, torch.float16, device, LAYERS)
     vi.shutdown_kvcached()

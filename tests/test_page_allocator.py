@@ -119,7 +119,9 @@ def test_python_mapper(pa_env, page_size):
         calls.append(("unmap", list(offsets)))
         pa_env.unmap_from_kv_tensors(offsets)
 
-    pa = _C.PageAllocator(2, PAGES * page_size, page_size, min_reserved=0, max_reserved=0, map_fn=map_fn, unmap_fn=unmap_fn)
+    pa = _C.PageAllocator(
+        2, PAGES * page_size, page_size, min_reserved=0, max_reserved=0, map_fn=map_fn, unmap_fn=unmap_fn
+    )
     ids = pa.alloc_pages(2)
     pa.free_pages(ids)
     assert calls == [("map", [0, page_size]), ("unmap", [0, page_size])]

@@ -105,8 +105,10 @@ OFFS = [0, 5 * PAGE, 6 * PAGE]
 
 def test_rank_fails_before_map_rolls_back_the_others() -> None:
     name = new_name()
-    with WorkerGroup(name, 3, args={(0, 1): ["--backend-fault", "map:1"]}), \
-            TPCoordinator(3, ipc_name=name, timeout=T) as c:
+    with (
+        WorkerGroup(name, 3, args={(0, 1): ["--backend-fault", "map:1"]}),
+        TPCoordinator(3, ipc_name=name, timeout=T) as c,
+    ):
         base = handle_baselines(c.query())
         with pytest.raises(BackendError, match=r"rank 1 \(pp 0\).*rolled back on every rank") as ei:
             c.map(OFFS)
@@ -122,8 +124,7 @@ def test_rank_out_of_memory_stays_recoverable() -> None:
     # offsets needs twelve there. Pressure must stay OutOfMemoryError, through the
     # PageAllocator too, with nothing mapped anywhere.
     name = new_name()
-    with WorkerGroup(name, 3, args={(0, 2): ["--fd-headroom", "3"]}), \
-            TPCoordinator(3, ipc_name=name, timeout=T) as c:
+    with WorkerGroup(name, 3, args={(0, 2): ["--fd-headroom", "3"]}), TPCoordinator(3, ipc_name=name, timeout=T) as c:
         base = handle_baselines(c.query())
         with pytest.raises(OutOfMemoryError, match="rank 2"):
             c.map(OFFS)
@@ -214,7 +215,6 @@ def test_rank_dies_during_map_fails_closed() -> None:
         c2.map(OFFS)
         check(c2, OFFS, base2)
     assert_clean_exit(g2, name)
-
 
 
 def test_rank_without_listener_is_a_clean_failure() -> None:

@@ -114,8 +114,14 @@ def test_bad_input_is_rejected_logged_once_and_serving_goes_on(served, caplog) -
     deadline = time.monotonic() + 5
     while lst.rejections["truncated"] < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert lst.rejections == {"malformed": 2, "version": 2, "oversized": 2, "truncated": 4,
-                              "unknown-command": 2, "malformed-body": 2}
+    assert lst.rejections == {
+        "malformed": 2,
+        "version": 2,
+        "oversized": 2,
+        "truncated": 4,
+        "unknown-command": 2,
+        "malformed-body": 2,
+    }
     for reason in lst.rejections:
         assert len(warnings_about(caplog, reason)) == 1, reason
     coord.map([PAGE])

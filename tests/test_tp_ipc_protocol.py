@@ -128,6 +128,7 @@ def test_error_kinds_cross_the_wire(kind, cls) -> None:
     k, msg = protocol.parse_error_body(protocol.error_body(protocol.kind_of(cls("x")), "why ü"))
     e = protocol.make_error(k, msg)
     assert type(e) is cls and e.kvcached_kind == kind and str(e) == "why ü"
+
     # The PageAllocator turns the attribute back into the same C++ kind.
     def fail(offsets):
         raise protocol.make_error(kind, "from a rank")
@@ -145,9 +146,18 @@ def test_unknown_exceptions_are_backend_errors() -> None:
 
 
 def test_worker_state_round_trip() -> None:
-    s = WorkerState(created=True, failed=True, live_handles=9, mapped_pages=2, prepared_pages=1,
-                    pending_transactions=1, quarantined=3, units_per_page=4, mapped_offsets=[0, 65536],
-                    failure="rollback failed")
+    s = WorkerState(
+        created=True,
+        failed=True,
+        live_handles=9,
+        mapped_pages=2,
+        prepared_pages=1,
+        pending_transactions=1,
+        quarantined=3,
+        units_per_page=4,
+        mapped_offsets=[0, 65536],
+        failure="rollback failed",
+    )
     assert protocol.decode_state(protocol.encode_state(s)) == s
 
 
@@ -195,7 +205,7 @@ def test_socket_paths() -> None:
     assert socket_path(3, 2, "inst") == f"{root}/pp2/w3.sock"
     # Names that sanitise alike still get their own root; odd characters never escape /tmp.
     assert socket_root("a/b") != socket_root("a_b")
-    assert "/" not in socket_root("../../etc")[len("/tmp/"):]
+    assert "/" not in socket_root("../../etc")[len("/tmp/") :]
     assert len(socket_path(1023, 1023, "x" * 500)) <= 107
     with pytest.raises(InvalidArgumentError):
         socket_path(-1, 0, "inst")

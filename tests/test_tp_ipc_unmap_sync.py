@@ -65,7 +65,9 @@ def test_prepare_failure_aborts_every_rank() -> None:
     env = {(0, 1): {"KVCACHED_IPC_FAULT_INJECT": "prepare:1:backend=unmap:2"}}
     g, c, base = mapped_group(name, 3, env=env)
     try:
-        with pytest.raises(BackendError, match=r"rank 1 \(pp 0\).*aborted on every rank, every offset is still mapped") as ei:
+        with pytest.raises(
+            BackendError, match=r"rank 1 \(pp 0\).*aborted on every rank, every offset is still mapped"
+        ) as ei:
             c.unmap(OFFS)
         check(c, KEEP + OFFS, base)
         assert c.tx_outcome(tx_of(ei.value)) == ["aborted"] * 3

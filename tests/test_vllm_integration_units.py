@@ -33,8 +33,9 @@ def _run(code: str, env_extra: dict, path: str = "") -> subprocess.CompletedProc
     env.update(env_extra)
     if path:
         env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 # ------------------------------------------------------------ autopatch hook
@@ -55,7 +56,9 @@ FINDER = "import sys; print(any(type(f).__name__ == '_PostImportFinder' for f in
 def test_hook_is_installed_at_interpreter_start_only_when_enabled(env, expect):
     import kvcached
 
-    installed = os.path.realpath(kvcached.__file__).startswith(os.path.realpath(__import__("sysconfig").get_paths()["purelib"]))
+    installed = os.path.realpath(kvcached.__file__).startswith(
+        os.path.realpath(__import__("sysconfig").get_paths()["purelib"])
+    )
     if not installed:
         pytest.skip("kvcached is not installed as a wheel: no .pth at interpreter start")
     out = _run(FINDER, env)
@@ -213,7 +216,9 @@ def test_unsupported_version_and_failing_patch_messages():
     m.register_patch(BasePatch("swap_pool", "t", VersionRange.parse(">=0.32,<0.34"), broken, "swap the pool"))
     hooks = {}
     m.activate(lambda name, fn: hooks.setdefault(name, fn))
-    with pytest.raises(PatchError, match=r"patch 'swap_pool' \(swap the pool\) failed on t of Eng 0.32.0: AttributeError"):
+    with pytest.raises(
+        PatchError, match=r"patch 'swap_pool' \(swap the pool\) failed on t of Eng 0.32.0: AttributeError"
+    ):
         hooks["t"](types.ModuleType("t"))
     assert m.results["swap_pool"].status == "failed"
 
@@ -222,9 +227,16 @@ def test_vllm_patch_table_covers_every_seam():
     from kvcached.integration.vllm import versions
 
     names = {p.name: p for p in versions.all_patches()}
-    for needed in ("elastic_block_pool", "scheduler_lifecycle", "allocate_slots_rollback", "worker_allocate_kv_cache",
-                   "cpu_worker_capacity", "gpu_worker_capacity", "cpu_worker_startup_check_0_32",
-                   "engine_core_idle_return"):
+    for needed in (
+        "elastic_block_pool",
+        "scheduler_lifecycle",
+        "allocate_slots_rollback",
+        "worker_allocate_kv_cache",
+        "cpu_worker_capacity",
+        "gpu_worker_capacity",
+        "cpu_worker_startup_check_0_32",
+        "engine_core_idle_return",
+    ):
         assert needed in names
     for mod in versions.ALLOCATE_KV_CACHE_IMPORTERS:
         assert f"allocate_kv_cache_by_name:{mod}" in names
@@ -268,13 +280,27 @@ def test_plan_refuses_what_it_cannot_back():
     with pytest.raises(InvalidArgumentError, match="reaches byte"):
         KVLayoutPlan(1 * MiB, 512, 64 * KiB, 128, 2 * MiB, [Placement(0, 2, 32 * MiB, 64 * KiB, 64 * KiB)])
     with pytest.raises(InvalidArgumentError, match="one block size per pool"):
-        KVLayoutPlan(64 * MiB, 512, 64 * KiB, 128, 2 * MiB,
-                     [Placement(0, 1, 0, 64 * KiB, 64 * KiB), Placement(0, 1, 0, 64 * KiB, 32 * KiB)])
+        KVLayoutPlan(
+            64 * MiB,
+            512,
+            64 * KiB,
+            128,
+            2 * MiB,
+            [Placement(0, 1, 0, 64 * KiB, 64 * KiB), Placement(0, 1, 0, 64 * KiB, 32 * KiB)],
+        )
     spec = SimpleNamespace(page_size_bytes=64 * KiB, block_size=128, has_layer_views=True)
     cfg = SimpleNamespace(
         num_blocks=512,
-        kv_cache_tensors=[SimpleNamespace(size=64 * MiB, layers=["l0", "l1"], layer_stride=32 * MiB,
-                                          block_stride=64 * KiB, offset=0, host_resident=True)],
+        kv_cache_tensors=[
+            SimpleNamespace(
+                size=64 * MiB,
+                layers=["l0", "l1"],
+                layer_stride=32 * MiB,
+                block_stride=64 * KiB,
+                offset=0,
+                host_resident=True,
+            )
+        ],
         kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=spec)],
     )
     with pytest.raises(InvalidArgumentError, match="host-resident"):
@@ -365,8 +391,13 @@ def test_planned_executor_maps_a_shared_physical_page_once_and_unmaps_it_with_it
 
         return call
 
-    for op in ("map_to_kv_tensors", "unmap_from_kv_tensors", "prepare_unmap_from_kv_tensors",
-               "commit_unmap_from_kv_tensors", "abort_unmap_from_kv_tensors"):
+    for op in (
+        "map_to_kv_tensors",
+        "unmap_from_kv_tensors",
+        "prepare_unmap_from_kv_tensors",
+        "commit_unmap_from_kv_tensors",
+        "abort_unmap_from_kv_tensors",
+    ):
         monkeypatch.setattr(vmm_ops, op, recorder(op.split("_")[0]))
     ex = PlannedExecutor(plan)
 
@@ -422,7 +453,8 @@ class _Pool:
 def test_allocate_slots_rollback_restores_the_request_exactly():
     from collections import defaultdict
 
-    from kvcached.integration.vllm.slot_rollback import rollback as _rollback, snapshot as _snapshot
+    from kvcached.integration.vllm.slot_rollback import rollback as _rollback
+    from kvcached.integration.vllm.slot_rollback import snapshot as _snapshot
 
     m = SimpleNamespace(req_to_blocks=defaultdict(list), num_cached_block={}, new_block_ids=[], _partial_hit_reqs={})
     m.req_to_blocks["r"] = ["b1", "b2"]

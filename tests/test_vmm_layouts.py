@@ -17,7 +17,7 @@ def _fill_and_read(vmm, device, page_size, contiguous, chunk):
     vmm.map_to_kv_tensors([p * page_size for p in mapped])
     gen = torch.Generator().manual_seed(0)
     chunks_per_page = page_size // chunk
-    for l, t in enumerate(layers):
+    for t in layers:
         assert t.shape == (KV, PAGES * chunks_per_page, chunk // 2)
         for p in mapped:
             rows = slice(p * chunks_per_page, (p + 1) * chunks_per_page)
@@ -37,10 +37,10 @@ def test_layouts_give_identical_per_layer_views(vmm, device, page_size, chunk_di
     raw = vmm.get_raw_kv_tensors()
     assert len(raw) == 1
     base = raw[0].data_ptr()
-    for l, t in enumerate(views):
+    for layer, t in enumerate(views):
         for kv in range(KV):
             for c in (0, 3):
-                expect = base + (c * LAYERS * KV + l * KV + kv) * chunk
+                expect = base + (c * LAYERS * KV + layer * KV + kv) * chunk
                 assert t[kv, c].data_ptr() == expect
 
 

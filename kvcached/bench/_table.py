@@ -8,7 +8,9 @@ import time
 from typing import Callable, Dict, List, Sequence
 
 
-def print_table(rows: Sequence[Dict[str, object]], columns: Sequence[str], as_json: bool, meta: Dict[str, object]) -> None:
+def print_table(
+    rows: Sequence[Dict[str, object]], columns: Sequence[str], as_json: bool, meta: Dict[str, object]
+) -> None:
     if as_json:
         print(json.dumps({"meta": meta, "rows": list(rows)}, indent=2))
         return

@@ -33,7 +33,7 @@ def _layout_views(torch, vmm, layout, dev, layers, nb, block, kvh, d, dtype, pag
     el = [(x[0].view(nb, block, kvh, d), x[1].view(nb, block, kvh, d)) for x in t]
     if contiguous:
         buf = torch.zeros(nb, layers, 2, block, kvh, d, device=dev, dtype=dtype)
-        nat = [(buf[:, l, 0], buf[:, l, 1]) for l in range(layers)]
+        nat = [(buf[:, i, 0], buf[:, i, 1]) for i in range(layers)]
     else:
         nat = [tuple(torch.zeros(2, nb, block, kvh, d, device=dev, dtype=dtype).unbind(0)) for _ in range(layers)]
     return el, nat, block_bytes
@@ -97,10 +97,16 @@ def run(dev: str, layers: int, batch: int, seq_len: int, heads: int, kvh: int, d
             kn, vn = nat[layers // 2]
             assert torch.equal(paged_decode(q, ke, ve, bt, sl), paged_decode(q, kn, vn, bt, sl))
             t_el = statistics.median(
-                [triton.testing.do_bench(lambda: paged_decode(q, ke, ve, bt, sl), warmup=25, rep=200) for _ in range(repeats)]
+                [
+                    triton.testing.do_bench(lambda: paged_decode(q, ke, ve, bt, sl), warmup=25, rep=200)
+                    for _ in range(repeats)
+                ]
             )
             t_nat = statistics.median(
-                [triton.testing.do_bench(lambda: paged_decode(q, kn, vn, bt, sl), warmup=25, rep=200) for _ in range(repeats)]
+                [
+                    triton.testing.do_bench(lambda: paged_decode(q, kn, vn, bt, sl), warmup=25, rep=200)
+                    for _ in range(repeats)
+                ]
             )
         finally:
             del el, nat
@@ -124,14 +130,25 @@ def run(dev: str, layers: int, batch: int, seq_len: int, heads: int, kvh: int, d
 
 
 COLUMNS = [
-    "layout", "block_tokens", "pages", "mappings/page", "attn_elastic_us", "attn_native_us",
-    "attn_native/elastic", "map_GiB/s", "compound_limit_GiB/s", "map_vs_limit",
+    "layout",
+    "block_tokens",
+    "pages",
+    "mappings/page",
+    "attn_elastic_us",
+    "attn_native_us",
+    "attn_native/elastic",
+    "map_GiB/s",
+    "compound_limit_GiB/s",
+    "map_vs_limit",
 ]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvcached.bench attention", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m kvcached.bench attention",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--batch", type=int, default=64)
@@ -152,8 +169,14 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(a.device),
         "host": platform.node(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "workload": f"decode, batch {a.batch} x {a.seq_len} tokens, {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, fp16, {a.layers} layers",
-        "note": "attn_native/elastic >= 0.98 is within 2%; map_vs_limit compares to raw create+map+access of compound handles",
+        "workload": (
+            f"decode, batch {a.batch} x {a.seq_len} tokens, {a.heads} heads / {a.kv_heads} KV heads "
+            f"x {a.head_dim}, fp16, {a.layers} layers"
+        ),
+        "note": (
+            "attn_native/elastic >= 0.98 is within 2%; "
+            "map_vs_limit compares to raw create+map+access of compound handles"
+        ),
     }
     print_table(rows, COLUMNS, a.json, meta)
     return 0

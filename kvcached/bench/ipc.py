@@ -55,7 +55,9 @@ def _time(fn: Callable[[], None], repeats: int, warmup: int, after: Optional[Cal
     return out
 
 
-def _measure_tp(tp: int, sizes: Sequence[int], repeats: int, warmup: int, rounds: int, with_backend: bool) -> List[dict]:
+def _measure_tp(
+    tp: int, sizes: Sequence[int], repeats: int, warmup: int, rounds: int, with_backend: bool
+) -> List[dict]:
     """Rows for one TP size. Each path is measured in ``rounds`` interleaved rounds
     and the samples pooled, so a burst of interference from a noisy neighbour lands
     on every path alike instead of on one row."""
@@ -121,6 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d"),
     }
-    print_table(rows, ["tp", "path", "offsets", "samples", "median_us", "p90_us", "p99_us", "goal_us", "met"], args.json, meta)
+    print_table(
+        rows, ["tp", "path", "offsets", "samples", "median_us", "p90_us", "p99_us", "goal_us", "met"], args.json, meta
+    )
     missed = [r for r in rows if r.get("met") == "NO"]
     return 1 if missed else 0

@@ -54,14 +54,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--attention-backend", default=None, help="default: torch_native on cpu, SGLang's choice on cuda")
     ap.add_argument("--page-size", type=int, default=16, help="SGLang page size (tokens)")
-    ap.add_argument("--max-total-tokens", type=int, default=16384, help="pool size for both modes (0: SGLang/kvcached decide)")
+    ap.add_argument(
+        "--max-total-tokens", type=int, default=16384, help="pool size for both modes (0: SGLang/kvcached decide)"
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--ttft-requests", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=6, help="measurement pairs (engines start once)")
-    ap.add_argument("--kv-page-size", default=None,
-                    help="KVCACHED_PAGE_SIZE for the kvcached mode (default: 64K on cpu, the library default on cuda)")
+    ap.add_argument(
+        "--kv-page-size",
+        default=None,
+        help="KVCACHED_PAGE_SIZE for the kvcached mode (default: 64K on cpu, the library default on cuda)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)
     return ap
@@ -80,8 +85,9 @@ def _serve(a: argparse.Namespace) -> None:
 
     kw: Dict[str, Any] = dict(device=a.device, page_size=a.page_size, log_level="error", sleep_on_idle=True)
     if a.device == "cpu":
-        kw.update(attention_backend=a.attention_backend or "torch_native", sampling_backend="pytorch",
-                  disable_cuda_graph=True)
+        kw.update(
+            attention_backend=a.attention_backend or "torch_native", sampling_backend="pytorch", disable_cuda_graph=True
+        )
     elif a.attention_backend:
         kw["attention_backend"] = a.attention_backend
     if a.max_total_tokens:
@@ -120,7 +126,7 @@ def _serve(a: argparse.Namespace) -> None:
                 reply({"throughput_tok_s": gen / dt, "sched_cpu_ms_per_tok": 1000 * cpu / gen})
             elif cmd == "ttft":
                 ts = []
-                for i, p in enumerate(_prompts(f"ttft{n}x", a.ttft_requests, a.input_len)):
+                for p in _prompts(f"ttft{n}x", a.ttft_requests, a.input_len):
                     t1 = time.perf_counter()
                     for _chunk in engine.generate(prompt=p, sampling_params=one, stream=True):
                         ts.append(time.perf_counter() - t1)
@@ -156,8 +162,9 @@ def _alloc_path(a: argparse.Namespace, repeats: int = 9) -> List[Dict[str, Any]]
     size = max(a.max_total_tokens or 0, 2 * bs * (n_in + n_out + ps))
     size -= size % ps
     dev = "cpu" if a.device == "cpu" else "cuda"
-    kw = dict(page_size=ps, dtype=torch.float16, head_num=8, head_dim=128, layer_num=4, device=dev,
-              enable_memory_saver=False)
+    kw = dict(
+        page_size=ps, dtype=torch.float16, head_num=8, head_dim=128, layer_num=4, device=dev, enable_memory_saver=False
+    )
 
     def build(elastic: bool):
         pool = (ElasticMHATokenToKVPool if elastic else MHATokenToKVPool)(size, **kw)
@@ -176,8 +183,9 @@ def _alloc_path(a: argparse.Namespace, repeats: int = 9) -> List[Dict[str, Any]]
         if ps == 1:
             rows = alloc.alloc(bs * n_in).view(bs, n_in)
         else:
-            out = alloc.alloc_extend(zeros.to(dev), zeros, lens.to(dev), lens, torch.full((bs,), -1, device=dev),
-                                     bs * n_in)
+            out = alloc.alloc_extend(
+                zeros.to(dev), zeros, lens.to(dev), lens, torch.full((bs,), -1, device=dev), bs * n_in
+            )
             rows = out.view(bs, n_in)
         cols = [rows]
         last = rows[:, -1]
@@ -185,8 +193,11 @@ def _alloc_path(a: argparse.Namespace, repeats: int = 9) -> List[Dict[str, Any]]
             r = _Result()
             if elastic:
                 scheduler_hooks.after_launch(r)
-            assert alloc.check_decode_capacity(num_tokens=bs * ps, tree_cache=None) if elastic else \
-                alloc.available_size() >= bs * ps
+            assert (
+                alloc.check_decode_capacity(num_tokens=bs * ps, tree_cache=None)
+                if elastic
+                else alloc.available_size() >= bs * ps
+            )
             if ps == 1:
                 new = alloc.alloc(bs)
             else:
@@ -209,16 +220,22 @@ def _alloc_path(a: argparse.Namespace, repeats: int = 9) -> List[Dict[str, Any]]
     # released one batch later), and idle between batches (every spare slot
     # handed back, every emptied page beyond the reserve unmapped, then mapped
     # again by the next batch: this includes the backend's map cost).
-    modes = {"baseline": (False, False), "kvcached, serving steadily": (True, False),
-             "kvcached, idle between batches": (True, True)}
-    allocs = {"baseline": build(False), "kvcached, serving steadily": build(True),
-              "kvcached, idle between batches": build(True)}
+    modes = {
+        "baseline": (False, False),
+        "kvcached, serving steadily": (True, False),
+        "kvcached, idle between batches": (True, True),
+    }
+    allocs = {
+        "baseline": build(False),
+        "kvcached, serving steadily": build(True),
+        "kvcached, idle between batches": build(True),
+    }
     times: Dict[str, List[float]] = {m: [] for m in modes}
     for m, (el, rel) in modes.items():  # warm-up: first maps, kernels
         cycle(allocs[m], el, rel)
     names = list(modes)
     for r in range(repeats):
-        for m in (names if r % 2 == 0 else list(reversed(names))):
+        for m in names if r % 2 == 0 else list(reversed(names)):
             el, rel = modes[m]
             t0 = time.perf_counter()
             cycle(allocs[m], el, rel)
@@ -251,16 +268,37 @@ class _Engine:
                 env["KVCACHED_PAGE_SIZE"] = str(parse_size(page))
         if a.device == "cpu":
             env.setdefault("HF_HUB_OFFLINE", "1")
-        cmd = [sys.executable, "-m", "kvcached.bench", "sglang", "--serve", mode, "--model", model,
-               "--device", a.device, "--page-size", str(a.page_size), "--max-total-tokens", str(a.max_total_tokens),
-               "--num-prompts", str(a.num_prompts), "--input-len", str(a.input_len), "--output-len", str(a.output_len),
-               "--ttft-requests", str(a.ttft_requests)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvcached.bench",
+            "sglang",
+            "--serve",
+            mode,
+            "--model",
+            model,
+            "--device",
+            a.device,
+            "--page-size",
+            str(a.page_size),
+            "--max-total-tokens",
+            str(a.max_total_tokens),
+            "--num-prompts",
+            str(a.num_prompts),
+            "--input-len",
+            str(a.input_len),
+            "--output-len",
+            str(a.output_len),
+            "--ttft-requests",
+            str(a.ttft_requests),
+        ]
         if a.attention_backend:
             cmd += ["--attention-backend", a.attention_backend]
         self.mode, self.log = mode, log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True
+        )
         self.info = self._read()
 
     def _read(self) -> Dict[str, Any]:
@@ -295,13 +333,18 @@ def main(argv: List[str]) -> int:
     if model is None:
         from kvcached.testing.tiny_model import build_tiny_llama
 
-        model = build_tiny_llama(os.path.join(work, "tiny-llama"), seed=0, vocab_size=512, hidden_size=64,
-                                 max_position_embeddings=max(512, a.input_len + a.output_len + 16))
+        model = build_tiny_llama(
+            os.path.join(work, "tiny-llama"),
+            seed=0,
+            vocab_size=512,
+            hidden_size=64,
+            max_position_embeddings=max(512, a.input_len + a.output_len + 16),
+        )
     engines = {m: _Engine(a, m, model, os.path.join(work, f"{m}.log")) for m in MODES}
     res: Dict[str, List[Dict[str, Any]]] = {m: [] for m in MODES}
     try:
         for r in range(a.rounds):
-            for m in (MODES if r % 2 == 0 else tuple(reversed(MODES))):
+            for m in MODES if r % 2 == 0 else tuple(reversed(MODES)):
                 got = engines[m].ask("batch")
                 got.update(engines[m].ask("ttft"))
                 res[m].append(got)
@@ -334,13 +377,26 @@ def main(argv: List[str]) -> int:
         "model": a.model or "tiny Llama (2 layers, 64 hidden, built here)",
         "device": a.device,
         "page_size": a.page_size,
-        "workload": f"{a.num_prompts} prompts x {a.input_len} in / {a.output_len} out; TTFT over {a.ttft_requests} streamed requests",
+        "workload": (
+            f"{a.num_prompts} prompts x {a.input_len} in / {a.output_len} out; "
+            f"TTFT over {a.ttft_requests} streamed requests"
+        ),
         "rounds": f"{a.rounds} (each: baseline and kvcached back to back, order alternating)",
         "goal": "kvcached within 3% of baseline (tok/s ratio >= 0.97, TTFT ratio <= 1.03)",
     }
-    cols = ["mode", "tok/s median", "tok/s ratio (median of pairs)", "TTFT ms median", "TTFT ratio (median of pairs)",
-            "sched CPU ms/tok median", "CPU ratio (median of pairs)", "tok/s best", "start s", "pool tokens",
-            "tok/s per round"]
+    cols = [
+        "mode",
+        "tok/s median",
+        "tok/s ratio (median of pairs)",
+        "TTFT ms median",
+        "TTFT ratio (median of pairs)",
+        "sched CPU ms/tok median",
+        "CPU ratio (median of pairs)",
+        "tok/s best",
+        "start s",
+        "pool tokens",
+        "tok/s per round",
+    ]
     # The allocator path runs at the library's page size (or --kv-page-size):
     # its model rows (8 KV heads x 128, fp16) are a real model's.
     os.environ.pop("KVCACHED_PAGE_SIZE", None)
@@ -354,9 +410,15 @@ def main(argv: List[str]) -> int:
         return 0
     print_table(rows, cols, False, meta)
     print()
-    print_table(path, ["mode", "us per batch step", "vs base"], False,
-                {"scheduler-side KV path": f"{a.num_prompts} requests x {a.output_len} decode steps, page size "
-                                           f"{a.page_size}, in this process (fastest of 9)"})
+    print_table(
+        path,
+        ["mode", "us per batch step", "vs base"],
+        False,
+        {
+            "scheduler-side KV path": f"{a.num_prompts} requests x {a.output_len} decode steps, page size "
+            f"{a.page_size}, in this process (fastest of 9)"
+        },
+    )
     return 0
 
 

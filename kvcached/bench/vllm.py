@@ -60,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=8, help="paired rounds (one batch + TTFT per server each)")
     ap.add_argument("--kv-page-size", default=None, help="KVCACHED_PAGE_SIZE of the kvcached server (default 2 MiB)")
     ap.add_argument("--keep-logs", default=None, help="keep the servers' logs (and the model) here")
-    ap.add_argument("--pool-only", action="store_true",
-                    help="only the in-process block-pool comparison (no engines; seconds)")
+    ap.add_argument(
+        "--pool-only", action="store_true", help="only the in-process block-pool comparison (no engines; seconds)"
+    )
     ap.add_argument("--json", action="store_true")
     return ap
 
@@ -115,30 +116,37 @@ def _pool_bench(steps: int, running: int) -> List[Dict[str, Any]]:
     real path: manager, device-budget record, execution fence, and the IPC
     fan-out to a worker listener (in this process) mapping host pages.
     """
-    import torch
     from types import SimpleNamespace
 
+    import torch
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
     from kvcached.integration.vllm.backend import building_pools
     from kvcached.integration.vllm.block_pool import ElasticBlockPool
-    from kvcached.integration.vllm.scheduler_patches import count_steps
     from kvcached.integration.vllm.kv_layout import KVLayoutPlan
+    from kvcached.integration.vllm.scheduler_patches import count_steps
     from kvcached.integration.vllm.worker_kv import WorkerKV
 
     n_blocks = 512
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
     B = spec.page_size_bytes
-    kvc = KVCacheConfig(num_blocks=n_blocks, kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)],
-                        kv_cache_tensors=[KVCacheTensor(size=2 * n_blocks * B, layers=["l0", "l1"],
-                                                        layer_stride=n_blocks * B, block_stride=B)])
+    kvc = KVCacheConfig(
+        num_blocks=n_blocks,
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)],
+        kv_cache_tensors=[
+            KVCacheTensor(size=2 * n_blocks * B, layers=["l0", "l1"], layer_stride=n_blocks * B, block_stride=B)
+        ],
+    )
     vc = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
-                                        data_parallel_rank=0),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, data_parallel_rank=0
+        ),
         scheduler_config=SimpleNamespace(async_scheduling=False),
-        device_config=SimpleNamespace(device=torch.device("cpu")), kv_transfer_config=None)
+        device_config=SimpleNamespace(device=torch.device("cpu")),
+        kv_transfer_config=None,
+    )
     name = f"bench_pool_{os.getpid()}"
     os.environ.update(KVCACHED_IPC_NAME=name, KVCACHED_PAGE_SIZE=str(64 << 10))
 
@@ -207,13 +215,20 @@ def main(argv: List[str]) -> int:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        print("kvcached.bench vllm needs vLLM: run it with the vLLM venv's python "
-              "(bash scripts/main.sh creates .venvs/vllm)", file=sys.stderr)
+        print(
+            "kvcached.bench vllm needs vLLM: run it with the vLLM venv's python "
+            "(bash scripts/main.sh creates .venvs/vllm)",
+            file=sys.stderr,
+        )
         return 2
     pool_rows = _pool_bench(steps=2000, running=16)
     if a.pool_only:
-        print_table(pool_rows, ["mode", "pool us/step", "vs base"], a.json,
-                    {"what": "block-pool calls of one scheduler step, 16 running requests (in process)"})
+        print_table(
+            pool_rows,
+            ["mode", "pool us/step", "vs base"],
+            a.json,
+            {"what": "block-pool calls of one scheduler step, 16 running requests (in process)"},
+        )
         return 0
     from kvcached.testing import vllm_server as vs
 
@@ -223,8 +238,9 @@ def main(argv: List[str]) -> int:
     if model is None:
         from kvcached.testing.tiny_model import build_tiny_llama
 
-        model = build_tiny_llama(os.path.join(work, "tiny-llama"),
-                                 max_position_embeddings=max(512, a.input_len + a.output_len + 16))
+        model = build_tiny_llama(
+            os.path.join(work, "tiny-llama"), max_position_embeddings=max(512, a.input_len + a.output_len + 16)
+        )
     max_len = str(max(256, a.input_len + a.output_len + 8))
     extra: Dict[str, Any] = {}
     if a.kv_page_size:
@@ -238,20 +254,35 @@ def main(argv: List[str]) -> int:
     servers: Dict[str, Any] = {}
     try:
         for mode in MODES:
-            servers[mode] = vs.start_server(model, f"bench_{mode}", envs[mode], work, "--kv-cache-memory-bytes",
-                                            str(KV_BYTES), "--max-model-len", max_len, max_num_seqs=a.concurrency)
+            servers[mode] = vs.start_server(
+                model,
+                f"bench_{mode}",
+                envs[mode],
+                work,
+                "--kv-cache-memory-bytes",
+                str(KV_BYTES),
+                "--max-model-len",
+                max_len,
+                max_num_seqs=a.concurrency,
+            )
         for mode in MODES:
             vs.wait_healthy(servers[mode])
-            _round(servers[mode], argparse.Namespace(**{**vars(a), "requests": a.concurrency, "ttft_requests": 2}),
-                   seed=7)  # warm-up
+            _round(
+                servers[mode], argparse.Namespace(**{**vars(a), "requests": a.concurrency, "ttft_requests": 2}), seed=7
+            )  # warm-up
         runs: Dict[str, List[Dict[str, float]]] = {m: [] for m in MODES}
         for r in range(a.rounds):
             order = MODES if r % 2 == 0 else tuple(reversed(MODES))
             for mode in order:
                 runs[mode].append(_round(servers[mode], a, seed=1000 + r))
-            print(f"# round {r + 1}/{a.rounds}: " + ", ".join(
-                f"{m} {runs[m][-1]['tok_s']:.0f} tok/s TTFT {runs[m][-1]['ttft_ms']:.1f} ms" for m in MODES),
-                file=sys.stderr, flush=True)
+            print(
+                f"# round {r + 1}/{a.rounds}: "
+                + ", ".join(
+                    f"{m} {runs[m][-1]['tok_s']:.0f} tok/s TTFT {runs[m][-1]['ttft_ms']:.1f} ms" for m in MODES
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         for s in servers.values():
             s.stop()
@@ -264,10 +295,14 @@ def main(argv: List[str]) -> int:
 
     rows = []
     for mode in MODES:
-        row: Dict[str, Any] = {"mode": mode, "output tok/s": med(mode, "tok_s"), "TTFT ms": med(mode, "ttft_ms"),
-                               "TTFT loaded ms": med(mode, "loaded_ttft_ms"),
-                               "CPU ms/token": med(mode, "cpu_ms_per_tok"),
-                               "tok/s per round": " ".join(f"{x['tok_s']:.0f}" for x in runs[mode])}
+        row: Dict[str, Any] = {
+            "mode": mode,
+            "output tok/s": med(mode, "tok_s"),
+            "TTFT ms": med(mode, "ttft_ms"),
+            "TTFT loaded ms": med(mode, "loaded_ttft_ms"),
+            "CPU ms/token": med(mode, "cpu_ms_per_tok"),
+            "tok/s per round": " ".join(f"{x['tok_s']:.0f}" for x in runs[mode]),
+        }
         if mode == "baseline":
             row["tok/s vs base"] = row["TTFT vs base"] = row["loaded TTFT vs base"] = row["CPU vs base"] = 1.0
         else:
@@ -280,16 +315,34 @@ def main(argv: List[str]) -> int:
         "model": a.model or "tiny Llama (2 layers, 64 hidden, fp32; built here)",
         "vllm": _vllm_version(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "workload": (f"{a.rounds} paired rounds; per round and server {a.requests} requests x {a.input_len} in / "
-                     f"{a.output_len} out, {a.concurrency} in flight, then {a.ttft_requests} single requests (TTFT)"),
+        "workload": (
+            f"{a.rounds} paired rounds; per round and server {a.requests} requests x {a.input_len} in / "
+            f"{a.output_len} out, {a.concurrency} in flight, then {a.ttft_requests} single requests (TTFT)"
+        ),
         "kv": f"{KV_BYTES >> 20} MiB both; kvcached page {a.kv_page_size or '2M (default)'}",
         "ratios": "kvcached / baseline, median of the per-round ratios",
         "goal": "within 3% (tok/s vs base >= 0.97, TTFT vs base <= 1.03)",
     }
     meta["pool us/step"] = " / ".join(f"{r['mode']} {r['pool us/step']:.1f}" for r in pool_rows) + (
-        " (block-pool calls of one scheduler step with 16 running requests, in process)")
-    print_table(rows, ["mode", "output tok/s", "tok/s vs base", "TTFT ms", "TTFT vs base", "TTFT loaded ms",
-                       "loaded TTFT vs base", "CPU ms/token", "CPU vs base", "tok/s per round"], a.json, meta)
+        " (block-pool calls of one scheduler step with 16 running requests, in process)"
+    )
+    print_table(
+        rows,
+        [
+            "mode",
+            "output tok/s",
+            "tok/s vs base",
+            "TTFT ms",
+            "TTFT vs base",
+            "TTFT loaded ms",
+            "loaded TTFT vs base",
+            "CPU ms/token",
+            "CPU vs base",
+            "tok/s per round",
+        ],
+        a.json,
+        meta,
+    )
     return 0
 
 

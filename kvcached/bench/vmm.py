@@ -108,14 +108,23 @@ def run(dev: str, page: int, layers: int, pages: int, repeats: int) -> List[Dict
 
 
 COLUMNS = [
-    "handle", "handle_MiB", "path", "handles", "map_us/handle", "map_GiB/s",
-    "unmap_us/handle", "unmap_GiB/s", "map_vs_raw", "unmap_vs_raw",
+    "handle",
+    "handle_MiB",
+    "path",
+    "handles",
+    "map_us/handle",
+    "map_GiB/s",
+    "unmap_us/handle",
+    "unmap_GiB/s",
+    "map_vs_raw",
+    "unmap_vs_raw",
 ]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvcached.bench vmm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m kvcached.bench vmm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu", help="cpu (host backend) or cuda:N")
     p.add_argument("--page-size", type=int, default=2 * MiB)
     p.add_argument("--layers", type=int, default=None, help="default: 4 on cpu, 32 on GPU")

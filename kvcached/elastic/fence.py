@@ -39,7 +39,7 @@ class ReleaseFence:
     that appear after the fence was built).
     """
 
-    def __init__(self, managers: "Sequence[Any] | Callable[[], Sequence[Any]]", grace_s: float = 0.0) -> None:
+    def __init__(self, managers: Sequence[Any] | Callable[[], Sequence[Any]], grace_s: float = 0.0) -> None:
         self._managers = managers if callable(managers) else (lambda m=tuple(managers): m)
         self.grace_s = float(grace_s)
         self.launched_steps = 0
@@ -71,7 +71,9 @@ class ReleaseFence:
 
     def finished(self, step: Optional[int] = None) -> None:
         """Step ``step`` (default: the oldest in flight) and every earlier one finished."""
-        self.finished_steps = min(self.launched_steps, self.finished_steps + 1 if step is None else max(step, self.finished_steps))
+        self.finished_steps = min(
+            self.launched_steps, self.finished_steps + 1 if step is None else max(step, self.finished_steps)
+        )
         while self._markers and self._markers[0][0] <= self.finished_steps:
             self._markers.popleft()
         if self._markers:

@@ -44,8 +44,14 @@ class IdleAction(enum.Flag):
 class ElasticInstance:
     """Pools, fence and want state of one engine instance."""
 
-    def __init__(self, name: str, pools: Optional[List[ElasticPool]] = None, *, grace_s: float = 0.0,
-                 peer_check_s: float = PEER_CHECK_S) -> None:
+    def __init__(
+        self,
+        name: str,
+        pools: Optional[List[ElasticPool]] = None,
+        *,
+        grace_s: float = 0.0,
+        peer_check_s: float = PEER_CHECK_S,
+    ) -> None:
         self.name = name
         self.pools: List[ElasticPool] = []
         self.fence = ReleaseFence(lambda: self.pools, grace_s=grace_s)
@@ -118,8 +124,9 @@ class ElasticInstance:
             p.give_back()
         return before - sum(p.mapped_pages() for p in self.pools)
 
-    def start_idle_watch(self, busy: Callable[[], bool], has_memory: Callable[[], bool],
-                         schedule: Callable[[IdleAction], None]) -> "IdleWatcher":
+    def start_idle_watch(
+        self, busy: Callable[[], bool], has_memory: Callable[[], bool], schedule: Callable[[IdleAction], None]
+    ) -> IdleWatcher:
         """Starts a thread for engines whose idle loop runs none of our code."""
         self._watcher = IdleWatcher(self, busy, has_memory, schedule)
         self._watcher.start()
@@ -141,8 +148,13 @@ class IdleWatcher(threading.Thread):
     ``schedule`` (which runs it on the engine's own thread) and waits until the
     previous one ran (``done()``)."""
 
-    def __init__(self, inst: ElasticInstance, busy: Callable[[], bool], has_memory: Callable[[], bool],
-                 schedule: Callable[[IdleAction], None]) -> None:
+    def __init__(
+        self,
+        inst: ElasticInstance,
+        busy: Callable[[], bool],
+        has_memory: Callable[[], bool],
+        schedule: Callable[[IdleAction], None],
+    ) -> None:
         super().__init__(name=f"kvcached-idle-{inst.name}", daemon=True)
         self.inst = inst
         self.busy = busy

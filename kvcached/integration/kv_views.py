@@ -52,7 +52,7 @@ def unit_views(
     device: str,
     num_layers: int,
     group_id: int,
-) -> List["object"]:
+) -> List[object]:
     """Creates the group's tensors; returns per layer a (kv, num_units, unit_elems) view.
 
     ``unit_bytes`` is the interleave unit of the contiguous layout and must
@@ -102,7 +102,7 @@ def vllm_views(
     attention_type: str,
     kv_layout: str,
     group_id: int,
-) -> Tuple[List["object"], int, int, int]:
+) -> Tuple[List[object], int, int, int]:
     """Per-layer vLLM KV caches; returns (tensors, num_kv_buffers, block_mem_size, num_blocks).
 
     Shapes (logical, as the attention backend declares them):
@@ -173,7 +173,7 @@ def sglang_views(
     attention_type: str,
     kv_layout: str,
     group_id: int,
-) -> Tuple[List["object"], List["object"], int, int]:
+) -> Tuple[List[object], List[object], int, int]:
     """Per-layer SGLang token buffers; returns (k_or_kv, v, block_mem_size, num_blocks).
 
     ``kvcache_shape`` is (num_tokens, heads, head_dim) per buffer; one

@@ -64,7 +64,7 @@ class VersionRange:
     high: Version
 
     @classmethod
-    def parse(cls, spec: str) -> "VersionRange":
+    def parse(cls, spec: str) -> VersionRange:
         low: Optional[Version] = None
         high: Optional[Version] = None
         for part in spec.split(","):
@@ -232,10 +232,10 @@ class PatchManager:
         return f"kvcached for {self.library} {v} ({self.supported}): " + ("; ".join(parts) or "no patches")
 
 
-_MANAGERS: Dict[str, "PatchManager"] = {}
+_MANAGERS: Dict[str, PatchManager] = {}
 
 
-def manager_of(library: str) -> Optional["PatchManager"]:
+def manager_of(library: str) -> Optional[PatchManager]:
     """The newest patch manager made for ``library`` in this process, if any
     (engine code that runs under the patches reads it without importing the plugin)."""
     return _MANAGERS.get(library)

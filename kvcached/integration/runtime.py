@@ -52,7 +52,7 @@ class _State:
 _lock = threading.RLock()
 _state = _State()
 _groups: Dict[int, GroupGeometry] = {}
-_managers: "weakref.WeakSet[KVCacheManager]" = weakref.WeakSet()
+_managers: weakref.WeakSet[KVCacheManager] = weakref.WeakSet()
 _listener = None
 
 
@@ -94,7 +94,12 @@ def init(
         _state.__init__(engine, dev, local, tp_rank, world_size, pp_rank, bool(is_worker), bool(async_sched))
         logger.info(
             "kvcached initialized for %s on %s (rank %d/%d, pp %d, %s)",
-            engine, dev, tp_rank, world_size, pp_rank, "worker" if is_worker else "scheduler",
+            engine,
+            dev,
+            tp_rank,
+            world_size,
+            pp_rank,
+            "worker" if is_worker else "scheduler",
         )
 
 
@@ -123,7 +128,9 @@ def state() -> _State:
 
 def require(engine: str) -> _State:
     if _state.device is None:
-        raise ShutdownError(f"kvcached is not initialized: call kvcached.integration.{engine}.interfaces.init_kvcached() first")
+        raise ShutdownError(
+            f"kvcached is not initialized: call kvcached.integration.{engine}.interfaces.init_kvcached() first"
+        )
     return _state
 
 
@@ -174,11 +181,20 @@ def make_manager(
     # happen before one is unmapped.
     defer = bool(kwargs.pop("defer_physical_release", False))
     mapper, limits, barrier = build_collaborators(
-        world_size=world_size, pp_rank=st.pp_rank, group_id=group_id, async_sched=st.async_sched,
-        defer_physical_release=defer, own_segment=bool(kwargs.pop("own_segment", False)),
-        map_fn=kwargs.pop("map_fn", None), unmap_fn=kwargs.pop("unmap_fn", None), engine=st.engine,
-        device=st.device, pool_name=kwargs.get("pool_name"), mapper=kwargs.pop("mapper", None),
-        limits=kwargs.pop("limits", None), release_barrier=kwargs.pop("release_barrier", AUTO),
+        world_size=world_size,
+        pp_rank=st.pp_rank,
+        group_id=group_id,
+        async_sched=st.async_sched,
+        defer_physical_release=defer,
+        own_segment=bool(kwargs.pop("own_segment", False)),
+        map_fn=kwargs.pop("map_fn", None),
+        unmap_fn=kwargs.pop("unmap_fn", None),
+        engine=st.engine,
+        device=st.device,
+        pool_name=kwargs.get("pool_name"),
+        mapper=kwargs.pop("mapper", None),
+        limits=kwargs.pop("limits", None),
+        release_barrier=kwargs.pop("release_barrier", AUTO),
     )
     m = KVCacheManager(
         num_blocks,
@@ -212,4 +228,3 @@ def make_manager(
 
 def managers() -> List[KVCacheManager]:
     return list(_managers)
-

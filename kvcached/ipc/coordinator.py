@@ -373,7 +373,9 @@ class TPCoordinator:
             # Ranks that mapped, or may have: undo exactly this transaction there.
             # A rank that answered with an error was rolled back by its data plane.
             undo = [p for p, r in zip(self._peers, results) if r.status in (_OK, _LOST, _TIMEOUT)]
-            unconfirmed = self._settle(undo, Cmd.ROLLBACK_MAP, protocol.group_tx_body(self.group_id, tx)) if undo else {}
+            unconfirmed = (
+                self._settle(undo, Cmd.ROLLBACK_MAP, protocol.group_tx_body(self.group_id, tx)) if undo else {}
+            )
             what = f"MAP of {len(offsets)} offset(s) failed on {self._describe(bad)}"
             if unconfirmed or any(r.status == _ERR and r.kind == ERROR_KIND_STATE_CONSISTENCY for _, r in bad):
                 raise self._fail_closed(
@@ -420,8 +422,12 @@ class TPCoordinator:
             _, already = protocol.parse_map_reply(r.body)
             if already and p.name not in self._warned:
                 self._warned.add(p.name)  # once per rank: the ledger disagreed, now converged
-                log.warning("kvcached IPC: %s already had %d of the offsets mapped (the scheduler's ledger "
-                            "considered them free); all ranks map them now. Logged once per rank.", p.name, already)
+                log.warning(
+                    "kvcached IPC: %s already had %d of the offsets mapped (the scheduler's ledger "
+                    "considered them free); all ranks map them now. Logged once per rank.",
+                    p.name,
+                    already,
+                )
 
     def kv_tensors_created(self) -> bool:
         """True when every worker is reachable and has created the group's KV tensors.
@@ -479,7 +485,7 @@ class TPCoordinator:
             for p in self._peers:
                 p.close()
 
-    def __enter__(self) -> "TPCoordinator":
+    def __enter__(self) -> TPCoordinator:
         return self
 
     def __exit__(self, *exc: object) -> None:

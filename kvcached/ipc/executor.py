@@ -48,7 +48,7 @@ class VmmExecutor:
 
     def __init__(self, history: int = MAP_HISTORY) -> None:
         self._lock = threading.Lock()  # check-then-act on the history must be atomic
-        self._maps: "OrderedDict[Tuple[int, int], Union[List[int], str]]" = OrderedDict()
+        self._maps: OrderedDict[Tuple[int, int], Union[List[int], str]] = OrderedDict()
         self._history = history
         # Prepared unmaps whose stage_unmap returned something to give back on
         # ABORT: (group, tx) -> (sorted offsets, what stage_unmap returned).

@@ -23,11 +23,11 @@ Unarmed cost: one truth test of a module-level dict per request.
 
 from __future__ import annotations
 
-from kvcached import config
 import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from kvcached import config
 from kvcached.errors import InvalidArgumentError
 from kvcached.ipc.protocol import Cmd
 

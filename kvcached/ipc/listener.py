@@ -73,7 +73,7 @@ class WorkerListener:
         self._conns_lock = threading.Lock()
         self._logged: set = set()
         self._log_lock = threading.Lock()
-        self.rejections: "collections.Counter[str]" = collections.Counter()
+        self.rejections: collections.Counter[str] = collections.Counter()
         self._handlers: Dict[int, Callable[[bytes], bytes]] = {
             Cmd.HELLO: self._hello,
             Cmd.PING: self._ping,
@@ -89,7 +89,7 @@ class WorkerListener:
 
     # ---- lifecycle ---------------------------------------------------------------
 
-    def start(self) -> "WorkerListener":
+    def start(self) -> WorkerListener:
         """Binds the socket (removing stale ones a crash left) and starts serving.
         Raises InvalidArgumentError if a live listener already serves this rank."""
         if self._sock is not None:
@@ -183,7 +183,7 @@ class WorkerListener:
         finally:
             s.close()
 
-    def __enter__(self) -> "WorkerListener":
+    def __enter__(self) -> WorkerListener:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -197,8 +197,9 @@ class WorkerListener:
             first = reason not in self._logged
             self._logged.add(reason)
         if first:
-            log.warning("IPC listener %s rejected input (%s): %s [further ones counted, not logged]",
-                        self.path, reason, detail)
+            log.warning(
+                "IPC listener %s rejected input (%s): %s [further ones counted, not logged]", self.path, reason, detail
+            )
 
     def _accept_loop(self) -> None:
         sock = self._sock
@@ -231,8 +232,12 @@ class WorkerListener:
                     self._reject("too-many-connections", f"more than {MAX_CONNECTIONS} open connections")
                     conn.close()
                     continue
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                     name=f"kvcached-ipc-conn-pp{self.pp_rank}-w{self.rank}")
+                t = threading.Thread(
+                    target=self._serve,
+                    args=(conn,),
+                    daemon=True,
+                    name=f"kvcached-ipc-conn-pp{self.pp_rank}-w{self.rank}",
+                )
                 self._conns[conn] = t
             t.start()
 
@@ -253,7 +258,8 @@ class WorkerListener:
                 if handler is None:
                     self._reject("unknown-command", f"command {cmd}")
                     reply = protocol.frame(
-                        protocol.ERROR, req_id,
+                        protocol.ERROR,
+                        req_id,
                         protocol.error_body(_C_INVALID, f"unknown command {cmd}"),
                     )
                     if not self._send(conn, reply):
@@ -341,4 +347,3 @@ class WorkerListener:
 
     def _query(self, body: bytes) -> bytes:
         return protocol.encode_state(self._executor.query(protocol.parse_group_body(body)))
-

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import List, Sequence, Tuple
 
-from kvcached import _C
-from kvcached import errors
+from kvcached import _C, errors
 
 MAGIC = 0x4B56
 VERSION = 1
@@ -268,8 +267,15 @@ def encode_state(s: WorkerState) -> bytes:
     msg = s.failure.encode("utf-8", "replace")[:MAX_MESSAGE]
     return (
         _STATE.pack(
-            int(s.created), int(s.failed), s.live_handles, s.mapped_pages, s.prepared_pages,
-            s.pending_transactions, s.quarantined, s.units_per_page, n,
+            int(s.created),
+            int(s.failed),
+            s.live_handles,
+            s.mapped_pages,
+            s.prepared_pages,
+            s.pending_transactions,
+            s.quarantined,
+            s.units_per_page,
+            n,
         )
         + struct.pack(f"<{n}q", *s.mapped_offsets)
         + msg
@@ -285,7 +291,14 @@ def decode_state(body: bytes) -> WorkerState:
         raise ProtocolError("malformed-body", "QUERY reply shorter than its offset count")
     offsets = list(struct.unpack_from(f"<{n}q", body, _STATE.size))
     return WorkerState(
-        created=bool(created), failed=bool(failed), live_handles=live, mapped_pages=mapped,
-        prepared_pages=prepared, pending_transactions=pending, quarantined=quarantined,
-        units_per_page=units, mapped_offsets=offsets, failure=body[end:].decode("utf-8", "replace"),
+        created=bool(created),
+        failed=bool(failed),
+        live_handles=live,
+        mapped_pages=mapped,
+        prepared_pages=prepared,
+        pending_transactions=pending,
+        quarantined=quarantined,
+        units_per_page=units,
+        mapped_offsets=offsets,
+        failure=body[end:].decode("utf-8", "replace"),
     )

@@ -144,7 +144,7 @@ class FrameReader:
         deadline = None if timeout is None else time.perf_counter() + timeout
         while view:
             try:
-                view = view[self._sock.send(view):]
+                view = view[self._sock.send(view) :]
                 continue
             except BlockingIOError:
                 pass

@@ -19,10 +19,27 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode(
-    Q, K, V, BT, SL, O,
-    s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, s_ob, s_oh,
+    Q,
+    K,
+    V,
+    BT,
+    SL,
+    O,
+    s_qb,
+    s_qh,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_btb,
+    s_ob,
+    s_oh,
     scale,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -50,19 +67,35 @@ def _paged_decode(
     tl.store(O + b * s_ob + h * s_oh + d, acc / l)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
     batch, heads, dim = q.shape
     _, block, kv_heads, kdim = k_cache.shape
     if kdim != dim or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or heads % kv_heads:
         raise ValueError("paged_decode: K/V must be (blocks, block_size, kv_heads, dim) with unit stride on dim")
     out = torch.empty((batch, heads, dim), device=q.device, dtype=torch.float32)
     _paged_decode[(batch, heads)](
-        q, k_cache, v_cache, block_table, seq_lens, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
         1.0 / math.sqrt(dim),
-        GROUP=heads // kv_heads, BLOCK=block, D=dim,
+        GROUP=heads // kv_heads,
+        BLOCK=block,
+        D=dim,
     )
     return out

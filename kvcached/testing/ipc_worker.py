@@ -38,9 +38,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--contiguous", action="store_true")
     ap.add_argument("--noop", action="store_true", help="answer without touching memory (benchmark)")
     ap.add_argument("--backend-fault", default="", help="op:nth[:count] for kvcached._C.inject_fault")
-    ap.add_argument("--fd-headroom", type=int, default=-1,
-                    help="cap open files at the current count plus this many: page creation then "
-                         "fails with EMFILE, which the host backend reports as OutOfMemoryError")
+    ap.add_argument(
+        "--fd-headroom",
+        type=int,
+        default=-1,
+        help="cap open files at the current count plus this many: page creation then "
+        "fails with EMFILE, which the host backend reports as OutOfMemoryError",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
 
@@ -111,11 +115,11 @@ class WorkerGroup:
         self._args = args or {}
         self._common_env = common_env or {}
         self.procs: Dict[Key, subprocess.Popen] = {}
-        self._stderr: Dict[Key, "tempfile._TemporaryFileWrapper"] = {}
+        self._stderr: Dict[Key, tempfile._TemporaryFileWrapper] = {}
         self.returncodes: Dict[Key, int] = {}
         self.outputs: Dict[Key, str] = {}
 
-    def start(self) -> "WorkerGroup":
+    def start(self) -> WorkerGroup:
         for k in range(self.pp):
             for r in range(self.tp):
                 self._spawn((k, r))
@@ -132,10 +136,20 @@ class WorkerGroup:
         env.update(self._env.get(key, {}))
         err = tempfile.TemporaryFile(mode="w+")
         self._stderr[key] = err
-        cmd = [sys.executable, "-m", "kvcached.testing.ipc_worker", *self._base,
-               "--rank", str(key[1]), "--pp-rank", str(key[0]), *self._args.get(key, [])]
-        self.procs[key] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                           env=env, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvcached.testing.ipc_worker",
+            *self._base,
+            "--rank",
+            str(key[1]),
+            "--pp-rank",
+            str(key[0]),
+            *self._args.get(key, []),
+        ]
+        self.procs[key] = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True
+        )
 
     def stderr(self, key: Key) -> str:
         f = self._stderr[key]
@@ -154,7 +168,7 @@ class WorkerGroup:
 
     def stop(self, timeout: float = 20.0) -> Dict[Key, int]:
         """Closes every worker's stdin (clean stop) and waits; returns exit codes."""
-        for key, p in self.procs.items():
+        for p in self.procs.values():
             if p.poll() is None and p.stdin and not p.stdin.closed:
                 try:
                     p.stdin.close()
@@ -179,7 +193,7 @@ class WorkerGroup:
         for f in self._stderr.values():
             f.close()
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         try:
             return self.start()
         except BaseException:
@@ -197,13 +211,13 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def handle_baselines(states: Sequence["object"]) -> Dict[Key, int]:
+def handle_baselines(states: Sequence[object]) -> Dict[Key, int]:
     """Per worker, the live backend handles that are not pages (the zero page):
     take it once before the test maps anything, then pass it to consistency_problems."""
     return {(s.pp_rank, s.rank): s.live_handles - s.mapped_pages * s.units_per_page for s in states if s.reachable}
 
 
-def consistency_problems(states: Sequence["object"], expected: Sequence[int], baselines: Dict[Key, int]) -> List[str]:
+def consistency_problems(states: Sequence[object], expected: Sequence[int], baselines: Dict[Key, int]) -> List[str]:
     """What is wrong with the workers' states (kvcached.ipc.protocol.WorkerState), if
     anything: every rank must map exactly ``expected``, hold no pending unmap
     transaction or quarantined handle, and hold exactly the handles its mapped

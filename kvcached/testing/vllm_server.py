@@ -41,8 +41,11 @@ def engine_env(kvcached: bool, name: Optional[str] = None, **extra: object) -> D
     """This process's environment without any kvcached/vLLM settings or
     PYTHONPATH (the engine imports what is installed), plus the offline
     switches, kvcached on or off, and ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ENABLE_KVCACHED", "KVCACHED_", "VLLM_")) and k != "PYTHONPATH"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ENABLE_KVCACHED", "KVCACHED_", "VLLM_")) and k != "PYTHONPATH"
+    }
     env.update(OFFLINE_ENV)
     if kvcached:
         env["ENABLE_KVCACHED"] = "true"
@@ -104,20 +107,41 @@ class Server:
             self.proc.wait(30)
 
 
-def start_server(model: str, name: str, env: Dict[str, str], log_dir: str, *extra_args: str,
-                 max_num_seqs: int = 8, python: str = sys.executable) -> Server:
+def start_server(
+    model: str,
+    name: str,
+    env: Dict[str, str],
+    log_dir: str,
+    *extra_args: str,
+    max_num_seqs: int = 8,
+    python: str = sys.executable,
+) -> Server:
     """Starts a server in its own process group (so it can be killed as a whole)."""
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}.log")
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--port", str(port), "--host", "127.0.0.1",
-        "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(max_num_seqs),
-        "--enforce-eager", "--seed", "0", *extra_args,
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--enforce-eager",
+        "--seed",
+        "0",
+        *extra_args,
     ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=log_dir)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=log_dir)
     return Server(name, port, proc, log_path, model)
 
 
@@ -138,15 +162,22 @@ def wait_healthy(srv: Server, timeout: float = 480) -> None:
 
 def _post(port: int, body: dict, timeout: float) -> urllib.request.Request:
     return urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
 
 
 def complete(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float = 300) -> List[int]:
     """Greedy completion of ``max_tokens`` tokens (EOS ignored); the output token ids."""
-    body = {"model": srv.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, "ignore_eos": True}
+    body = {
+        "model": srv.model,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     with urllib.request.urlopen(_post(srv.port, body, timeout), timeout=timeout) as r:
         out = json.loads(r.read())
     return list(out["choices"][0]["token_ids"])
@@ -154,8 +185,15 @@ def complete(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float
 
 def stream(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float = 300) -> Tuple[float, float, int]:
     """Streams a greedy completion: (time to first token, total time, output tokens)."""
-    body = {"model": srv.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    body = {
+        "model": srv.model,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     t0 = time.perf_counter()
     ttft = None
     n = 0

@@ -109,7 +109,9 @@ class _ElasticAllocatorMixin:
             # leaf is elastic, but the composite's state pools are not.
             raise conflicts.refuse(
                 f"the {type(kvcache).__name__} KV pool (a hybrid other than sliding-window attention) is not "
-                "supported by kvcached's SGLang integration", "use an MHA/GQA, MLA or sliding-window hybrid model")
+                "supported by kvcached's SGLang integration",
+                "use an MHA/GQA, MLA or sliding-window hybrid model",
+            )
         self.kvcached_group = grp
         self._mgr = grp.manager
         self._holes = grp.holes
@@ -253,7 +255,8 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
         if page_size != self.kvcached_group.page_tokens:
             raise conflicts.refuse(
                 f"allocator page size {page_size} differs from its pool's {self.kvcached_group.page_tokens}",
-                "report this configuration (decode context parallelism widens pages)")
+                "report this configuration (decode context parallelism widens pages)",
+            )
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)  # calls clear()
         self._one_page = torch.zeros((1,), dtype=_INT64, device=device)
 
@@ -323,9 +326,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
         bs = len(seq_lens)
         out = torch.empty((bs,), dtype=_INT64, device=self.device)
         if self.use_triton_kernels:
-            _paged.alloc_decode_kernel[(bs,)](
-                seq_lens, last_loc, free_pages, out, next_power_of_2(bs), self.page_size
-            )
+            _paged.alloc_decode_kernel[(bs,)](seq_lens, last_loc, free_pages, out, next_power_of_2(bs), self.page_size)
         else:
             _paged.alloc_decode_naive(seq_lens, last_loc, free_pages, out, self.page_size, int(num_new_pages))
         return out
@@ -367,7 +368,8 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
             if not isinstance(sub, _ElasticAllocatorMixin):
                 raise conflicts.refuse(
                     f"the SWA allocator built a {type(sub).__name__} sub-allocator over an elastic pool",
-                    "report this configuration (the swa-allocators patch did not take effect)")
+                    "report this configuration (the swa-allocators patch did not take effect)",
+                )
 
     def full_physical_available_size(self) -> int:
         return self.full_attn_allocator.physical_available_size()

@@ -45,22 +45,36 @@ def server_args_conflicts(args: Any) -> List[UnsupportedConfigurationError]:
     g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     found: List[UnsupportedConfigurationError] = []
     if g("enable_memory_saver"):
-        found.append(refuse(
-            "--enable-memory-saver lets SGLang's memory saver own (pause/resume) the KV cache memory, "
-            "which kvcached owns", "drop --enable-memory-saver"))
+        found.append(
+            refuse(
+                "--enable-memory-saver lets SGLang's memory saver own (pause/resume) the KV cache memory, "
+                "which kvcached owns",
+                "drop --enable-memory-saver",
+            )
+        )
     if post_capture_env_on():
-        found.append(refuse(
-            "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 makes SGLang back the KV cache with its own CUDA VMM arena",
-            "unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"))
+        found.append(
+            refuse(
+                "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 makes SGLang back the KV cache with its own CUDA VMM arena",
+                "unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING",
+            )
+        )
     if g("speculative_algorithm"):
-        found.append(refuse(
-            "speculative decoding (--speculative-algorithm) gives the draft model a second KV pool that shares "
-            "the target's allocator, which the elastic pool does not map", "drop --speculative-algorithm"))
+        found.append(
+            refuse(
+                "speculative decoding (--speculative-algorithm) gives the draft model a second KV pool that shares "
+                "the target's allocator, which the elastic pool does not map",
+                "drop --speculative-algorithm",
+            )
+        )
     mode = g("disaggregation_mode")
     if mode not in (None, "", "null"):
-        found.append(refuse(
-            f"PD disaggregation (--disaggregation-mode {mode}) registers the KV buffers with a transfer engine",
-            "drop --disaggregation-mode"))
+        found.append(
+            refuse(
+                f"PD disaggregation (--disaggregation-mode {mode}) registers the KV buffers with a transfer engine",
+                "drop --disaggregation-mode",
+            )
+        )
     for flag, why in (
         ("enable_hierarchical_cache", "the hierarchical cache copies KV pages by raw buffer pointers"),
         ("enable_unified_memory", "the unified memory pool carves every pool out of one byte buffer"),
@@ -72,14 +86,23 @@ def server_args_conflicts(args: Any) -> List[UnsupportedConfigurationError]:
             found.append(refuse(f"--{flag.replace('_', '-')}: {why}", f"drop --{flag.replace('_', '-')}"))
     dcp = g("dcp_size")
     if isinstance(dcp, int) and dcp > 1:
-        found.append(refuse(f"decode context parallelism (--dcp-size {dcp}) widens the allocator's id space",
-                            "drop --dcp-size"))
+        found.append(
+            refuse(f"decode context parallelism (--dcp-size {dcp}) widens the allocator's id space", "drop --dcp-size")
+        )
     if os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL"):
-        found.append(refuse("SGLANG_MOONCAKE_CUSTOM_MEM_POOL allocates the KV buffers from a custom memory pool",
-                            "unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL"))
+        found.append(
+            refuse(
+                "SGLANG_MOONCAKE_CUSTOM_MEM_POOL allocates the KV buffers from a custom memory pool",
+                "unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL",
+            )
+        )
     if _env_on("SGLANG_USE_HND_KVCACHE"):
-        found.append(refuse("SGLANG_USE_HND_KVCACHE=1 selects the HND pool layout (rows are pages, not tokens)",
-                            "unset SGLANG_USE_HND_KVCACHE"))
+        found.append(
+            refuse(
+                "SGLANG_USE_HND_KVCACHE=1 selects the HND pool layout (rows are pages, not tokens)",
+                "unset SGLANG_USE_HND_KVCACHE",
+            )
+        )
     return found
 
 
@@ -94,11 +117,17 @@ def check_pool(pool: Any) -> None:
     """Refuses a KV pool whose memory SGLang would manage itself (called in the pool's constructor)."""
     adapter = getattr(pool, "memory_saver_adapter", None)
     if adapter is not None and getattr(adapter, "enabled", False):
-        raise refuse("the KV pool was built with SGLang's memory saver enabled (it owns the KV memory)",
-                     "drop --enable-memory-saver")
+        raise refuse(
+            "the KV pool was built with SGLang's memory saver enabled (it owns the KV memory)",
+            "drop --enable-memory-saver",
+        )
     if getattr(pool, "post_capture_active", False) or post_capture_env_on():
-        raise refuse("the KV pool was built for SGLang's post-capture VMM arena (it owns the KV address range)",
-                     "unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
+        raise refuse(
+            "the KV pool was built for SGLang's post-capture VMM arena (it owns the KV address range)",
+            "unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING",
+        )
     if getattr(pool, "enable_custom_mem_pool", False) or getattr(pool, "custom_mem_pool", None) is not None:
-        raise refuse("the KV pool allocates from a custom memory pool (SGLANG_MOONCAKE_CUSTOM_MEM_POOL)",
-                     "unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
+        raise refuse(
+            "the KV pool allocates from a custom memory pool (SGLANG_MOONCAKE_CUSTOM_MEM_POOL)",
+            "unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL",
+        )

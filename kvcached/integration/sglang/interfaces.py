@@ -65,7 +65,7 @@ def alloc_kv_cache(
     attention_type: str = "MHA",
     kv_layout: str = "NHD",
     group_id: int = 0,
-) -> Union[Tuple[List["object"], List["object"]], List["object"]]:
+) -> Union[Tuple[List[object], List[object]], List[object]]:
     """Creates per-layer token buffers of shape ``kvcache_shape`` = (num_tokens, heads, head_dim).
 
     MHA/GQA: returns (k_buffers, v_buffers), one tensor per layer each.

@@ -106,8 +106,10 @@ def _apply_allocators(mod: ModuleType) -> None:
         def _build_token_to_kv_pool_allocator(self: Any, *a: Any, **k: Any) -> Any:
             pool = k.get("token_to_kv_pool")
             if k.get("token_to_kv_pool_allocator") is not None:
-                raise refuse("a draft worker shares the target's allocator (speculative decoding)",
-                             "drop --speculative-algorithm")
+                raise refuse(
+                    "a draft worker shares the target's allocator (speculative decoding)",
+                    "drop --speculative-algorithm",
+                )
             alloc = orig(self, *a, **k)
             elastic_alloc = isinstance(alloc, (ea._ElasticAllocatorMixin, ea.ElasticSWATokenToKVPoolAllocator))
             if not is_elastic_pool(pool) or not elastic_alloc:
@@ -117,7 +119,8 @@ def _apply_allocators(mod: ModuleType) -> None:
                 raise refuse(
                     f"SGLang built {type(alloc).__name__} over {type(pool).__name__}, a combination kvcached "
                     "does not make elastic (supported: MHA/GQA and MLA models, SWA hybrids)",
-                    "use a supported model and configuration")
+                    "use a supported model and configuration",
+                )
             return alloc
 
         return _build_token_to_kv_pool_allocator
@@ -179,16 +182,46 @@ def _apply_scheduler(mod: ModuleType) -> None:
 def all_patches() -> List[BasePatch]:
     r = SGLANG_0_5_23
     return [
-        BasePatch("sglang-conflicts", "sglang.srt.server_args", r, _apply_conflicts,
-                  "refuse SGLang features that own or re-address the KV memory"),
-        BasePatch("sglang-capacity", "sglang.srt.mem_cache.kv_cache_configurator", r, _apply_capacity,
-                  "size the pool from a virtual budget, not from free device memory"),
-        BasePatch("sglang-pools", "sglang.srt.mem_cache.kv_cache_configurator", r, _apply_pools,
-                  "elastic MHA/MLA pools (FTensor-backed buffers)"),
-        BasePatch("sglang-allocators", "sglang.srt.mem_cache.kv_cache_configurator", r, _apply_allocators,
-                  "elastic token/paged/SWA allocators (0.5.23 release API)"),
-        BasePatch("sglang-swa-allocators", "sglang.srt.mem_cache.allocator.swa", r, _apply_swa_allocators,
-                  "elastic sub-allocators inside the SWA composite"),
-        BasePatch("sglang-scheduler", "sglang.srt.managers.scheduler", r, _apply_scheduler,
-                  "deferred physical release, prefix-cache bound, kvcached_report"),
+        BasePatch(
+            "sglang-conflicts",
+            "sglang.srt.server_args",
+            r,
+            _apply_conflicts,
+            "refuse SGLang features that own or re-address the KV memory",
+        ),
+        BasePatch(
+            "sglang-capacity",
+            "sglang.srt.mem_cache.kv_cache_configurator",
+            r,
+            _apply_capacity,
+            "size the pool from a virtual budget, not from free device memory",
+        ),
+        BasePatch(
+            "sglang-pools",
+            "sglang.srt.mem_cache.kv_cache_configurator",
+            r,
+            _apply_pools,
+            "elastic MHA/MLA pools (FTensor-backed buffers)",
+        ),
+        BasePatch(
+            "sglang-allocators",
+            "sglang.srt.mem_cache.kv_cache_configurator",
+            r,
+            _apply_allocators,
+            "elastic token/paged/SWA allocators (0.5.23 release API)",
+        ),
+        BasePatch(
+            "sglang-swa-allocators",
+            "sglang.srt.mem_cache.allocator.swa",
+            r,
+            _apply_swa_allocators,
+            "elastic sub-allocators inside the SWA composite",
+        ),
+        BasePatch(
+            "sglang-scheduler",
+            "sglang.srt.managers.scheduler",
+            r,
+            _apply_scheduler,
+            "deferred physical release, prefix-cache bound, kvcached_report",
+        ),
     ]

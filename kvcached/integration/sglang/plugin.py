@@ -87,8 +87,12 @@ def activate(source: str = "autopatch") -> None:
         raise SystemExit(f"kvcached: {e}") from None
     if m.activated_via is None:
         m.activated_via = source
-        logger.info("kvcached: SGLang %s patched (via %s, instance %s)",
-                    ".".join(map(str, m.version or ())), source, naming.env_instance_name())
+        logger.info(
+            "kvcached: SGLang %s patched (via %s, instance %s)",
+            ".".join(map(str, m.version or ())),
+            source,
+            naming.env_instance_name(),
+        )
 
 
 def register() -> None:

@@ -36,8 +36,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from kvcached import _C, naming
 from kvcached.devices import normalize_device
-from kvcached.errors import InvalidArgumentError
 from kvcached.elastic import ElasticInstance, ElasticPool
+from kvcached.errors import InvalidArgumentError
 from kvcached.integration import runtime
 from kvcached.integration.patch_base import manager_of
 from kvcached.integration.sglang import conflicts, interfaces
@@ -57,8 +57,19 @@ class ElasticGroup(ElasticPool):
     """One elastic SGLang pool (one KV group): the manager and record, plus the
     FTensor views SGLang addresses."""
 
-    def __init__(self, *, group_id: int, ordinal: int, manager: KVCacheManager, page_tokens: int, row_bytes: int,
-                 buffer_rows: int, k_views: List[Any], v_views: List[Any], pool_class: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        group_id: int,
+        ordinal: int,
+        manager: KVCacheManager,
+        page_tokens: int,
+        row_bytes: int,
+        buffer_rows: int,
+        k_views: List[Any],
+        v_views: List[Any],
+        pool_class: str = "",
+    ) -> None:
         super().__init__(manager)
         self.group_id = group_id
         self.ordinal = ordinal  # pools made in this process, 0-based
@@ -137,8 +148,9 @@ def _device_str(device: Any) -> str:
     try:
         return normalize_device(device)
     except InvalidArgumentError:
-        raise conflicts.refuse(f"the KV cache is on {device}, a device kvcached has no backend for",
-                               "use a CUDA or CPU device") from None
+        raise conflicts.refuse(
+            f"the KV cache is on {device}, a device kvcached has no backend for", "use a CUDA or CPU device"
+        ) from None
 
 
 def _parallel_ranks() -> Tuple[int, int, int]:
@@ -202,7 +214,9 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
     if cfg["contiguous_layout"]:
         raise conflicts.refuse(
             "KVCACHED_CONTIGUOUS_LAYOUT=true interleaves layers per token, but SGLang's K/V buffers need "
-            "contiguous token rows per layer", "unset KVCACHED_CONTIGUOUS_LAYOUT")
+            "contiguous token rows per layer",
+            "unset KVCACHED_CONTIGUOUS_LAYOUT",
+        )
     ps = int(pool.page_size)
     size = int(pool.size)
     itemsize = pool.store_dtype.itemsize
@@ -214,8 +228,14 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
             gid += 1
         ordinal = len(_groups)
         out = interfaces.alloc_kv_cache(
-            (t_rows, heads, dim), pool.store_dtype, device, int(pool.layer_num), ps,
-            "MHA" if kv == 2 else "MLA", "NHD", gid,
+            (t_rows, heads, dim),
+            pool.store_dtype,
+            device,
+            int(pool.layer_num),
+            ps,
+            "MHA" if kv == 2 else "MLA",
+            "NHD",
+            gid,
         )
         k_full, v_full = out if kv == 2 else (out, [])
         # A block is one SGLang page; pages 1..size//ps are handed out, page 0
@@ -225,12 +245,28 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
         # own_segment: the manager creates the pool's record (kvctl list/limit)
         # and asks the device budget before mapping fresh pages.
         mgr = runtime.make_manager(
-            num_blocks, ps, row_bytes, int(pool.layer_num), True, kv, gid, 1,
-            defer_physical_release=True, own_segment=True, pool_name=_record_base_name(tp_rank, pp_rank),
+            num_blocks,
+            ps,
+            row_bytes,
+            int(pool.layer_num),
+            True,
+            kv,
+            gid,
+            1,
+            defer_physical_release=True,
+            own_segment=True,
+            pool_name=_record_base_name(tp_rank, pp_rank),
         )
         grp = ElasticGroup(
-            group_id=gid, ordinal=ordinal, manager=mgr, page_tokens=ps, row_bytes=row_bytes, buffer_rows=t_rows,
-            k_views=[t[:rows] for t in k_full], v_views=[t[:rows] for t in v_full], pool_class=type(pool).__name__,
+            group_id=gid,
+            ordinal=ordinal,
+            manager=mgr,
+            page_tokens=ps,
+            row_bytes=row_bytes,
+            buffer_rows=t_rows,
+            k_views=[t[:rows] for t in k_full],
+            v_views=[t[:rows] for t in v_full],
+            pool_class=type(pool).__name__,
         )
         _groups.append(grp)
         instance().add_pool(grp)
@@ -240,19 +276,30 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
     via = patches.activated_via if patches is not None else None
     logger.info(
         "kvcached: elastic %s %r: %d tokens (page %d), %d layers, %.1f MiB virtual, record %s (patched via %s)",
-        grp.pool_class, gid, size, ps, pool.layer_num, virt / (1 << 20), name, via or "direct use",
+        grp.pool_class,
+        gid,
+        size,
+        ps,
+        pool.layer_num,
+        virt / (1 << 20),
+        name,
+        via or "direct use",
     )
     return grp
 
 
 def _refuse_layout(pool: Any) -> None:
     if getattr(pool, "is_quantized_kv_cache", False):
-        raise conflicts.refuse("quantized (fp4/mxfp8) KV pools keep scale buffers kvcached does not map",
-                               "use --kv-cache-dtype auto or fp8_e4m3")
+        raise conflicts.refuse(
+            "quantized (fp4/mxfp8) KV pools keep scale buffers kvcached does not map",
+            "use --kv-cache-dtype auto or fp8_e4m3",
+        )
     layout = getattr(pool, "kv_cache_layout", "nhd")
     if layout != "nhd":
-        raise conflicts.refuse(f"the {layout!r} KV layout is not the token-major (NHD) layout kvcached maps",
-                               "unset SGLANG_USE_HND_KVCACHE / SGLANG_AITER_KV_CACHE_LAYOUT")
+        raise conflicts.refuse(
+            f"the {layout!r} KV layout is not the token-major (NHD) layout kvcached maps",
+            "unset SGLANG_USE_HND_KVCACHE / SGLANG_AITER_KV_CACHE_LAYOUT",
+        )
 
 
 def _mha_base():
@@ -282,7 +329,9 @@ class ElasticMHATokenToKVPool(_mha_base()):
         if tuple(k_shape) != tuple(v_shape):
             raise conflicts.refuse(
                 f"K {tuple(k_shape)} and V {tuple(v_shape)} rows differ (v_head_dim != head_dim); kvcached maps "
-                "K and V of a token at the same offset", "use a model whose K and V head dims are equal")
+                "K and V of a token at the same offset",
+                "use a model whose K and V head dims are equal",
+            )
         rows, heads, dim = (int(x) for x in k_shape)
         self.kvcached_group = create_group(self, rows=rows, heads=heads, dim=dim, kv=2)
         self.k_buffer = list(self.kvcached_group.k_views)
@@ -297,8 +346,10 @@ class ElasticMLATokenToKVPool(_mla_base()):
     def _create_buffers(self) -> None:
         conflicts.check_pool(self)
         if getattr(self, "use_dsa", False):
-            raise conflicts.refuse("DeepSeek sparse attention (DSA) pools keep indexer buffers kvcached does not map",
-                                   "use a model without DSA")
+            raise conflicts.refuse(
+                "DeepSeek sparse attention (DSA) pools keep indexer buffers kvcached does not map",
+                "use a model without DSA",
+            )
         rows = int(self.size) + int(self.page_size)
         self.kvcached_group = create_group(self, rows=rows, heads=1, dim=int(self.kv_cache_dim), kv=1)
         self.kv_buffer = list(self.kvcached_group.k_views)

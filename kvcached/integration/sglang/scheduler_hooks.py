@@ -60,8 +60,14 @@ logger = logging.getLogger("kvcached.integration.sglang")
 _STEP = "_kvcached_step"
 
 # Counters for kvcached_report (this process).
-_stats: Dict[str, int] = {"batches": 0, "idle_turns": 0, "cache_bound_evicted_tokens": 0, "limit_evicted_tokens": 0,
-                          "flushes": 0, "peer_evicted_tokens": 0}
+_stats: Dict[str, int] = {
+    "batches": 0,
+    "idle_turns": 0,
+    "cache_bound_evicted_tokens": 0,
+    "limit_evicted_tokens": 0,
+    "flushes": 0,
+    "peer_evicted_tokens": 0,
+}
 
 
 def after_launch(result: Any) -> None:
@@ -198,27 +204,36 @@ def report(scheduler: Any) -> Dict[str, Any]:
         rec = None
         if g.limits is not None:
             r = g.limits.record()
-            rec = {"name": r.name, "limit": r.limit, "used": r.used, "prealloc": r.prealloc, "total": r.total,
-                   "revision": r.revision, "applied_revision": getattr(r, "applied_revision", None)}
-        pools.append({
-            "group_id": g.group_id,
-            "pool_class": g.pool_class,
-            "page_tokens": g.page_tokens,
-            "row_bytes": g.row_bytes,
-            "buffer_rows": g.buffer_rows,
-            "holes": g.holes,
-            "num_blocks": m.num_blocks,
-            "kv_page_bytes": m.page_size,
-            "bytes_per_page": m.bytes_per_page,
-            "logical_free_blocks": m.logical_free_size(),
-            "physical_available_blocks": m.available_size(),
-            "mapped_bytes": m.get_mapped_memory_size(),
-            "released_pages": g.released_pages,
-            "stats": m.stats(),
-            "data_ptrs_at_start": list(g.data_ptrs),
-            "data_ptrs_now": [t.data_ptr() for t in g.k_views + g.v_views],
-            "record": rec,
-        })
+            rec = {
+                "name": r.name,
+                "limit": r.limit,
+                "used": r.used,
+                "prealloc": r.prealloc,
+                "total": r.total,
+                "revision": r.revision,
+                "applied_revision": getattr(r, "applied_revision", None),
+            }
+        pools.append(
+            {
+                "group_id": g.group_id,
+                "pool_class": g.pool_class,
+                "page_tokens": g.page_tokens,
+                "row_bytes": g.row_bytes,
+                "buffer_rows": g.buffer_rows,
+                "holes": g.holes,
+                "num_blocks": m.num_blocks,
+                "kv_page_bytes": m.page_size,
+                "bytes_per_page": m.bytes_per_page,
+                "logical_free_blocks": m.logical_free_size(),
+                "physical_available_blocks": m.available_size(),
+                "mapped_bytes": m.get_mapped_memory_size(),
+                "released_pages": g.released_pages,
+                "stats": m.stats(),
+                "data_ptrs_at_start": list(g.data_ptrs),
+                "data_ptrs_now": [t.data_ptr() for t in g.k_views + g.v_views],
+                "record": rec,
+            }
+        )
     out: Dict[str, Any] = {
         "pid": os.getpid(),
         "time": time.time(),

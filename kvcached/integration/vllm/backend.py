@@ -98,7 +98,7 @@ class VllmBackend:
         self._closed = False
 
     @classmethod
-    def create(cls, ctx: PoolContext, num_blocks: int) -> "VllmBackend":
+    def create(cls, ctx: PoolContext, num_blocks: int) -> VllmBackend:
         from kvcached.integration.patch_base import summary_of
         from kvcached.integration.vllm.kv_layout import KVLayoutPlan
         from kvcached.ipc.coordinator import TPCoordinator
@@ -148,8 +148,15 @@ class VllmBackend:
         backend = cls(plan, manager, coordinator, name)
         logger.info(
             "kvcached: instance %s on %s, %d blocks (%d tokens each) over %d pages of %d KiB x %d; limit %.1f MiB. %s",
-            name, device, num_blocks, plan.block_tokens, plan.num_logical_pages, page >> 10,
-            plan.physical_pages_per_logical_page(), backend.limits.limit / (1 << 20), summary_of("vLLM"),
+            name,
+            device,
+            num_blocks,
+            plan.block_tokens,
+            plan.num_logical_pages,
+            page >> 10,
+            plan.physical_pages_per_logical_page(),
+            backend.limits.limit / (1 << 20),
+            summary_of("vLLM"),
         )
         return backend
 

@@ -62,7 +62,7 @@ def alloc_kv_cache(
     attention_type: str = "MHA",
     kv_layout: str = "NHD",
     group_id: int = 0,
-) -> List["object"]:
+) -> List[object]:
     """Creates the KV tensors of one KV group; returns one tensor per layer.
 
     ``kvcache_shape`` is the attention backend's logical shape:
@@ -77,9 +77,7 @@ def alloc_kv_cache(
     tensors, kv, block_bytes, num_blocks = kv_views.vllm_views(
         kvcache_shape, block_size, dtype, device, num_layers, attention_type, kv_layout, group_id
     )
-    runtime.record_geometry(
-        group_id, runtime.GroupGeometry(int(num_layers), kv, block_bytes, num_blocks, "tensors")
-    )
+    runtime.record_geometry(group_id, runtime.GroupGeometry(int(num_layers), kv, block_bytes, num_blocks, "tensors"))
     return tensors
 
 

@@ -92,14 +92,16 @@ class KVLayoutPlan:
         self.num_layers = sum(p.num_layers for p in self.placements)
 
     @classmethod
-    def from_kv_cache_config(cls, kv_cache_config: Any, page_size: int) -> "KVLayoutPlan":
+    def from_kv_cache_config(cls, kv_cache_config: Any, page_size: int) -> KVLayoutPlan:
         """The plan of a vLLM ``KVCacheConfig`` (read by attribute, as vLLM 0.32/0.33 define it)."""
         tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
         if not tensors:
             raise InvalidArgumentError("kvcached: this model has no KV cache tensors; unset ENABLE_KVCACHED")
         sizes = {int(t.size) for t in tensors}
         if len(sizes) != 1:
-            raise InvalidArgumentError(f"kvcached: KV cache tensors of different sizes {sorted(sizes)} (vLLM expects one)")
+            raise InvalidArgumentError(
+                f"kvcached: KV cache tensors of different sizes {sorted(sizes)} (vLLM expects one)"
+            )
         groups = list(kv_cache_config.kv_cache_groups)
         placements: List[Placement] = []
         block_tokens = None
@@ -115,12 +117,23 @@ class KVLayoutPlan:
                     "so its block addresses are unknown; unset ENABLE_KVCACHED for this model"
                 )
             placements.append(
-                Placement(int(getattr(t, "offset", 0)), len(t.layers), int(t.layer_stride), int(t.block_stride),
-                          int(spec.page_size_bytes))
+                Placement(
+                    int(getattr(t, "offset", 0)),
+                    len(t.layers),
+                    int(t.layer_stride),
+                    int(t.block_stride),
+                    int(spec.page_size_bytes),
+                )
             )
             block_tokens = int(getattr(spec, "block_size", 0) or 0) if block_tokens is None else block_tokens
-        return cls(sizes.pop(), int(kv_cache_config.num_blocks), placements[0].block_bytes, block_tokens or 0,
-                   int(page_size), placements)
+        return cls(
+            sizes.pop(),
+            int(kv_cache_config.num_blocks),
+            placements[0].block_bytes,
+            block_tokens or 0,
+            int(page_size),
+            placements,
+        )
 
     # ------------------------------------------------------------------ pages
 
@@ -139,10 +152,13 @@ class KVLayoutPlan:
                 for layer in range(pl.num_layers):
                     base = pl.offset + layer * pl.layer_stride
                     if pl.block_stride <= bb:  # blocks of a layer are contiguous
-                        runs: Iterable[Tuple[int, int]] = ((base + first * pl.block_stride,
-                                                            base + (end - 1) * pl.block_stride + bb),)
+                        runs: Iterable[Tuple[int, int]] = (
+                            (base + first * pl.block_stride, base + (end - 1) * pl.block_stride + bb),
+                        )
                     else:
-                        runs = ((base + b * pl.block_stride, base + b * pl.block_stride + bb) for b in range(first, end))
+                        runs = (
+                            (base + b * pl.block_stride, base + b * pl.block_stride + bb) for b in range(first, end)
+                        )
                     for start, stop in runs:
                         pages.update(range(start // P, (stop - 1) // P + 1))
         out = tuple(sorted(pages))

@@ -116,6 +116,7 @@ def register() -> None:
         )
         logger.warning(
             "ENABLE_KVCACHED is set but the interpreter-start hook is missing (%s); "
-            "patching from the vLLM plugin entry point instead", why,
+            "patching from the vLLM plugin entry point instead",
+            why,
         )
     activate()

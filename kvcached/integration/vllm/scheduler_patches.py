@@ -110,7 +110,10 @@ def start_idle_watch(core: Any, pool: ElasticBlockPool) -> None:
         return bool(core.scheduler.has_requests())
 
     def has_memory() -> bool:
-        return pool.free_block_queue.num_free_blocks > 0 or int(backend.manager.page_allocator.get_num_reserved_pages()) > 0
+        return (
+            pool.free_block_queue.num_free_blocks > 0
+            or int(backend.manager.page_allocator.get_num_reserved_pages()) > 0
+        )
 
     def schedule(act: IdleAction) -> None:
         def run_on_core(_core: Any) -> None:

@@ -44,7 +44,8 @@ def _set_virtual_capacity(cache_config: Any, device: str, consumed: int = 0) -> 
         cache_config.kv_cache_memory_bytes = virtual_capacity(device, consumed)
         logger.info(
             "kvcached: KV capacity %.1f MiB from the %s budget (virtual; pages are mapped on demand)",
-            cache_config.kv_cache_memory_bytes / (1 << 20), device,
+            cache_config.kv_cache_memory_bytes / (1 << 20),
+            device,
         )
 
 

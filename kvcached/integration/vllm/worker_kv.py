@@ -39,7 +39,7 @@ GROUP = 0  # the FTensor group holding vLLM's KV buffer in a worker process
 class WorkerKV:
     """The KV buffer of this worker process and the listener serving it."""
 
-    current: Optional["WorkerKV"] = None
+    current: Optional[WorkerKV] = None
     _lock = threading.Lock()
 
     def __init__(self, plan: KVLayoutPlan, device: str, rank: int, pp_rank: int, ipc_name: str) -> None:
@@ -69,7 +69,7 @@ class WorkerKV:
             pass
 
     @classmethod
-    def start(cls, plan: KVLayoutPlan, device: str, rank: int, pp_rank: int, ipc_name: str) -> "WorkerKV":
+    def start(cls, plan: KVLayoutPlan, device: str, rank: int, pp_rank: int, ipc_name: str) -> WorkerKV:
         with cls._lock:
             if cls.current is not None:
                 # A second engine in this process (tests, RLHF re-init): the old
@@ -169,7 +169,11 @@ def _elastic_allocate(
         kv_caches.update(zip(tensor.layers, views))
     logger.info(
         "kvcached: KV buffer of %.1f MiB is virtual (%s); rank %d pp %d serves %s",
-        buf_size / (1 << 20), plan, tp, pp, kv.listener.path if kv.listener else "-",
+        buf_size / (1 << 20),
+        plan,
+        tp,
+        pp,
+        kv.listener.path if kv.listener else "-",
     )
     return kv_caches
 

@@ -28,8 +28,11 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 # Word-level tokenizer: "w1 w2 w3" is BOS + 3 tokens.
-PROMPTS = ["hello world the quick brown fox", "tell me a story about the lazy dog",
-           "one two three four five six seven eight nine ten"]
+PROMPTS = [
+    "hello world the quick brown fox",
+    "tell me a story about the lazy dog",
+    "one two three four five six seven eight nine ten",
+]
 LONG_PROMPT = " ".join(f"w{i}" for i in range(40))  # 41 tokens: two whole 16-token pages
 SHORT = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 BATCH_NEW = 96
@@ -83,7 +86,7 @@ class Sampler:
                 pass
             time.sleep(self.period)
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self._t.start()
         return self
 
@@ -132,15 +135,35 @@ class ServerClient:
         with socket.socket() as sk:
             sk.bind(("127.0.0.1", 0))
             self.port = sk.getsockname()[1]
-        flags = ["--model-path", cfg["model"], "--device", "cpu", "--attention-backend", "torch_native",
-                 "--sampling-backend", "pytorch", "--disable-cuda-graph", "--page-size", str(kw["page_size"]),
-                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", kw["log_level"]]
+        flags = [
+            "--model-path",
+            cfg["model"],
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--sampling-backend",
+            "pytorch",
+            "--disable-cuda-graph",
+            "--page-size",
+            str(kw["page_size"]),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            kw["log_level"],
+        ]
         if kw.get("max_total_tokens"):
             flags += ["--max-total-tokens", str(kw["max_total_tokens"])]
         self.log_path = cfg["server_log"]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", *flags],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.base = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
         while True:
@@ -207,8 +230,9 @@ class ServerClient:
         self.log.close()
 
 
-LIMITS_WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                             "limits_worker.py")
+LIMITS_WORKER = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "limits_worker.py"
+)
 
 
 def peer_wants_memory(client: Any, record: Callable[[], Any], bpp: int) -> Dict[str, Any]:
@@ -225,8 +249,9 @@ def peer_wants_memory(client: Any, record: Callable[[], Any], bpp: int) -> Dict[
     out: Dict[str, Any] = {"mapped_before": before}
     mapped = sum(r.mapped for r in DeviceBudget("cpu", 1).members())  # every live instance of this user here
     cfg = {"name": record().name + "_peer", "pages": 256, "page": 4096, "budget_bytes": mapped + 1, "max_reserved": 0}
-    peer = subprocess.Popen([sys.executable, LIMITS_WORKER, json.dumps(cfg)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen(
+        [sys.executable, LIMITS_WORKER, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
     def call(op: str, **kw: Any) -> Dict[str, Any]:
         peer.stdin.write(json.dumps({"op": op, **kw}) + "\n")
@@ -256,8 +281,14 @@ def main() -> int:
     cfg = json.load(open(sys.argv[1]))
     out_path = sys.argv[2]
     kv = bool(cfg["kvcached"])
-    kw: Dict[str, Any] = dict(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
-                              disable_cuda_graph=True, page_size=cfg["page_size"], log_level=cfg.get("log_level", "warning"))
+    kw: Dict[str, Any] = dict(
+        device="cpu",
+        attention_backend="torch_native",
+        sampling_backend="pytorch",
+        disable_cuda_graph=True,
+        page_size=cfg["page_size"],
+        log_level=cfg.get("log_level", "warning"),
+    )
     if cfg.get("max_total_tokens"):
         kw["max_total_tokens"] = cfg["max_total_tokens"]
     res: Dict[str, Any] = {"config": cfg}
@@ -333,8 +364,12 @@ def main() -> int:
             while record().used < cfg["limit_bytes"] and time.monotonic() < deadline and th.is_alive():
                 time.sleep(0.002)
             res["w4_used_when_limited"] = record().used
-            cp = subprocess.run([kvctl, "limit", res["record_name"], str(cfg["limit_bytes"])],
-                                capture_output=True, text=True, timeout=60)
+            cp = subprocess.run(
+                [kvctl, "limit", res["record_name"], str(cfg["limit_bytes"])],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             res["kvctl_limit"] = [cp.returncode, cp.stdout.strip(), cp.stderr.strip()]
             with Sampler(lambda: record().mapped) as lim_s:
                 th.join(timeout=600)
@@ -353,7 +388,9 @@ def main() -> int:
             report("limited")
             rec = record()
             back = min(rec.total, rec.device_bytes) if rec.device_bytes else rec.total  # the limit it started with
-            cp = subprocess.run([kvctl, "limit", res["record_name"], str(back)], capture_output=True, text=True, timeout=60)
+            cp = subprocess.run(
+                [kvctl, "limit", res["record_name"], str(back)], capture_output=True, text=True, timeout=60
+            )
             res["kvctl_raise"] = [cp.returncode, cp.stdout.strip(), cp.stderr.strip()]
             res["w4_raised"] = [o["output_ids"] for o in client.generate(PROMPTS, SHORT)]
             report("after_w4")
@@ -361,8 +398,12 @@ def main() -> int:
             outs = client.generate(batch_prompts("b"), BATCH)
             res["w4"] = [o["output_ids"] for o in outs]
         if kv:
-            cp = subprocess.run([os.path.join(os.path.dirname(sys.executable), "kvctl"), "list", "--json"],
-                                capture_output=True, text=True, timeout=60)
+            cp = subprocess.run(
+                [os.path.join(os.path.dirname(sys.executable), "kvctl"), "list", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             res["kvctl_list"] = [cp.returncode, cp.stdout, cp.stderr.strip()]
             time.sleep(1.0)
             report("end")

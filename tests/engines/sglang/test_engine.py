@@ -42,11 +42,27 @@ TOKEN_BYTES = 2 * 2 * 2 * 32 * 2  # layers x K/V x heads x head_dim x fp16
 RUNS = {
     "native-1": dict(page_size=1, kvcached=False, max_total_tokens=2048),
     "native-16": dict(page_size=16, kvcached=False, max_total_tokens=2048),
-    "kvcached-1": dict(page_size=1, kvcached=True, max_total_tokens=None, limit_bytes=LIMIT, peer_want_bpp=BYTES_PER_PAGE,
-                       env={"KVCACHED_AUTOPATCH": "0", "KVCACHED_HOST_MEMORY_BUDGET": "64M",
-                            "KVCACHED_MAX_CACHED_TOKENS": str(CACHE_BOUND)}),
-    "kvcached-16": dict(page_size=16, kvcached=True, max_total_tokens=2048, limit_bytes=LIMIT, server=True,
-                        log_level="info", env={"KVCACHED_AUTOPATCH": "1"}),
+    "kvcached-1": dict(
+        page_size=1,
+        kvcached=True,
+        max_total_tokens=None,
+        limit_bytes=LIMIT,
+        peer_want_bpp=BYTES_PER_PAGE,
+        env={
+            "KVCACHED_AUTOPATCH": "0",
+            "KVCACHED_HOST_MEMORY_BUDGET": "64M",
+            "KVCACHED_MAX_CACHED_TOKENS": str(CACHE_BOUND),
+        },
+    ),
+    "kvcached-16": dict(
+        page_size=16,
+        kvcached=True,
+        max_total_tokens=2048,
+        limit_bytes=LIMIT,
+        server=True,
+        log_level="info",
+        env={"KVCACHED_AUTOPATCH": "1"},
+    ),
 }
 
 
@@ -55,8 +71,12 @@ def _env(extra: Dict[str, str], kv: bool, name: str) -> Dict[str, str]:
     env["PYTHONPATH"] = STUBS + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if kv:
-        env.update(ENABLE_KVCACHED="true", KVCACHED_PAGE_SIZE=str(KV_PAGE), KVCACHED_IPC_NAME=name,
-                   SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1")
+        env.update(
+            ENABLE_KVCACHED="true",
+            KVCACHED_PAGE_SIZE=str(KV_PAGE),
+            KVCACHED_IPC_NAME=name,
+            SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
+        )
     env.update(extra)
     return env
 
@@ -69,15 +89,26 @@ def runs(tiny_model, tmp_path_factory) -> Dict[str, Dict[str, Any]]:
         spec = dict(spec)
         extra = spec.pop("env", {})
         name = f"kvcached_sglang_t{os.getpid()}_{key.replace('-', '')}"
-        cfg = dict(spec, model=tiny_model, report=str(work / f"{key}.report.json"),
-                   server_log=str(work / f"{key}.server.log"), record_name=name)
+        cfg = dict(
+            spec,
+            model=tiny_model,
+            report=str(work / f"{key}.report.json"),
+            server_log=str(work / f"{key}.server.log"),
+            record_name=name,
+        )
         cfg_path, res_path, log_path = (str(work / f"{key}.{x}") for x in ("cfg.json", "out.json", "log"))
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
         t0 = time.monotonic()
         with open(log_path, "w") as log:
-            rc = subprocess.run([sys.executable, DRIVER, cfg_path, res_path], env=_env(extra, spec["kvcached"], name),
-                                stdout=log, stderr=subprocess.STDOUT, timeout=900, cwd=str(work)).returncode
+            rc = subprocess.run(
+                [sys.executable, DRIVER, cfg_path, res_path],
+                env=_env(extra, spec["kvcached"], name),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=900,
+                cwd=str(work),
+            ).returncode
         logs = open(log_path).read()
         if os.path.exists(cfg["server_log"]):
             logs += open(cfg["server_log"]).read()
@@ -203,7 +234,9 @@ def test_kvctl_limit_lowered_mid_run_keeps_serving(runs, ps: int) -> None:
     assert r["w4_peak_mapped_after_limit"] <= LIMIT + 2 * BYTES_PER_PAGE
     rec = r["w4_record_limited"]
     # Under the limit in the end: the prefix cache gave back what the batch left above it.
-    assert rec["limit"] == LIMIT and rec["used"] + rec["prealloc"] <= LIMIT and rec["applied_revision"] == rec["revision"]
+    assert (
+        rec["limit"] == LIMIT and rec["used"] + rec["prealloc"] <= LIMIT and rec["applied_revision"] == rec["revision"]
+    )
     assert r["w4_shrink_s"] < 20
     assert r["kvctl_raise"][0] == 0
     listed = json.loads(r["kvctl_list"][1])

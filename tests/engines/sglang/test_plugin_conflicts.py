@@ -26,9 +26,25 @@ def _server_env(**extra: str) -> dict:
 
 
 def _launch(model: str, *flags: str, env: dict) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
-           "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
-           "--max-total-tokens", "2048", "--port", "1", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model,
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
+        "--disable-cuda-graph",
+        "--max-total-tokens",
+        "2048",
+        "--port",
+        "1",
+        *flags,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -54,8 +70,11 @@ def test_activation_is_idempotent(monkeypatch) -> None:
     plugin.activate()
     m = plugin.patch_manager()
     assert {k: v.status for k, v in m.results.items()} == {p.name: "applied" for p in m.patches}
-    for cls, name in ((sched_mod.Scheduler, "run_batch"), (sched_mod.Scheduler, "process_batch_result"),
-                      (kcc.KVCacheConfigurator, "_resolve_kv_pool_class")):
+    for cls, name in (
+        (sched_mod.Scheduler, "run_batch"),
+        (sched_mod.Scheduler, "process_batch_result"),
+        (kcc.KVCacheConfigurator, "_resolve_kv_pool_class"),
+    ):
         fn = cls.__dict__[name]
         inner = getattr(fn, WRAPPED)
         assert not hasattr(inner, WRAPPED), f"{name} wrapped twice"
@@ -92,10 +111,13 @@ def test_unsupported_version_stops_launch_server(tiny_model, tmp_path) -> None:
     assert lines and "0.5.99 is installed" in lines[0], (cp.stdout + cp.stderr)[-3000:]
 
 
-@pytest.mark.parametrize("flags,env,needle", [
-    (["--enable-memory-saver"], {}, "kvcached: --enable-memory-saver"),
-    ([], {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1"}, "kvcached: SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1"),
-])
+@pytest.mark.parametrize(
+    "flags,env,needle",
+    [
+        (["--enable-memory-saver"], {}, "kvcached: --enable-memory-saver"),
+        ([], {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1"}, "kvcached: SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1"),
+    ],
+)
 def test_refuses_sglang_memory_managers(tiny_model, flags, env, needle) -> None:
     cp = _launch(tiny_model, *flags, env=_server_env(**env))
     out = cp.stdout + cp.stderr
@@ -136,8 +158,9 @@ def test_pool_refuses_post_capture_arena_and_contiguous_layout(kv_env) -> None:
     from kvcached.integration.sglang.conflicts import UnsupportedConfigurationError
     from kvcached.integration.sglang.pool import ElasticMHATokenToKVPool, shutdown_all
 
-    kw = dict(page_size=16, dtype=torch.float16, head_num=2, head_dim=32, layer_num=2, device="cpu",
-              enable_memory_saver=False)
+    kw = dict(
+        page_size=16, dtype=torch.float16, head_num=2, head_dim=32, layer_num=2, device="cpu", enable_memory_saver=False
+    )
     with pytest.raises(UnsupportedConfigurationError, match="post-capture"):
         ElasticMHATokenToKVPool(2032, post_capture_active=True, **kw)
     with pytest.raises(UnsupportedConfigurationError, match="v_head_dim"):

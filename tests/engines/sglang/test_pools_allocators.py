@@ -44,8 +44,16 @@ def kvcached_env(monkeypatch):
 
 
 def _mha(cls, size: int, ps: int, layers: int = 2):
-    return cls(size, page_size=ps, dtype=DT, head_num=ROW_HEADS, head_dim=ROW_DIM, layer_num=layers,
-               device="cpu", enable_memory_saver=False)
+    return cls(
+        size,
+        page_size=ps,
+        dtype=DT,
+        head_num=ROW_HEADS,
+        head_dim=ROW_DIM,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
 
 
 def _pools(size: int, ps: int, layers: int = 2):
@@ -103,8 +111,15 @@ def test_mla_pool_layout_matches_native() -> None:
 
     from kvcached.integration.sglang.pool import ElasticMLATokenToKVPool
 
-    kw = dict(page_size=8, dtype=DT, kv_lora_rank=64, qk_rope_head_dim=32, layer_num=2, device="cpu",
-              enable_memory_saver=False)
+    kw = dict(
+        page_size=8,
+        dtype=DT,
+        kv_lora_rank=64,
+        qk_rope_head_dim=32,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     native = MLATokenToKVPool(1000, **kw)
     ours = ElasticMLATokenToKVPool(1000, **kw)
     for layer in range(2):
@@ -160,9 +175,15 @@ class Driver:
         self.rows: Dict[int, torch.Tensor] = {}
         self.shared: Dict[int, int] = {}  # rid -> tokens of its row owned by the prefix cache
 
-    def extend(self, rid: int, n: int, prefix_of: Optional[int] = None, prefix_pages: int = 0) -> Optional[torch.Tensor]:
+    def extend(
+        self, rid: int, n: int, prefix_of: Optional[int] = None, prefix_pages: int = 0
+    ) -> Optional[torch.Tensor]:
         ps = self.ps
-        prefix = self.rows[prefix_of][: prefix_pages * ps].clone() if prefix_of is not None else torch.empty(0, dtype=torch.int64)
+        prefix = (
+            self.rows[prefix_of][: prefix_pages * ps].clone()
+            if prefix_of is not None
+            else torch.empty(0, dtype=torch.int64)
+        )
         plen = len(prefix)
         if ps == 1:
             out = self.a.alloc(n)
@@ -246,7 +267,7 @@ def _scenario(ps: int, size: int, seed: int):
     dn.rows[100], do.rows[100] = dn_keep, do_keep
     both("extend", 5, 9, 100, 2)  # prefix hit on the cached pages
     next_id = 6
-    for step in range(60):
+    for _ in range(60):
         live = [r for r in dn.rows if r != 100]
         op = rng.random()
         if op < 0.3 or not live:
@@ -359,8 +380,17 @@ def test_swa_composite_with_elastic_sub_allocators(monkeypatch) -> None:
 
     plugin.activate()  # applies the swa-allocators patch (and the others) in this process
     assert swa_mod.PagedTokenToKVPoolAllocator is ea.ElasticPagedTokenToKVPoolAllocator
-    kw = dict(size=1024, size_swa=512, page_size=16, dtype=DT, head_num=ROW_HEADS, head_dim=ROW_DIM,
-              swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+    kw = dict(
+        size=1024,
+        size_swa=512,
+        page_size=16,
+        dtype=DT,
+        head_num=ROW_HEADS,
+        head_dim=ROW_DIM,
+        swa_attention_layer_ids=[0],
+        full_attention_layer_ids=[1],
+        device="cpu",
+    )
     pn = SWAKVPool(token_to_kv_pool_class=MHATokenToKVPool, **kw)
     po = SWAKVPool(token_to_kv_pool_class=ElasticMHATokenToKVPool, **kw)
     an = SWATokenToKVPoolAllocator(1024, 512, 16, DT, "cpu", pn, False)

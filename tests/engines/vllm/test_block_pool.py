@@ -29,29 +29,37 @@ def pool(monkeypatch):
     from kvcached.integration.vllm.worker_kv import WorkerKV
 
     name = f"kvt_pool_{os.getpid()}"
-    for k, v in dict(KVCACHED_IPC_NAME=name, KVCACHED_PAGE_SIZE=str(P), KVCACHED_MIN_RESERVED_PAGES="0",
-                     KVCACHED_MAX_RESERVED_PAGES="0", KVCACHED_HOST_MEMORY_BUDGET="64M",
-                     KVCACHED_MAX_CACHED_TOKENS="64").items():
+    for k, v in dict(
+        KVCACHED_IPC_NAME=name,
+        KVCACHED_PAGE_SIZE=str(P),
+        KVCACHED_MIN_RESERVED_PAGES="0",
+        KVCACHED_MAX_RESERVED_PAGES="0",
+        KVCACHED_HOST_MEMORY_BUDGET="64M",
+        KVCACHED_MAX_CACHED_TOKENS="64",
+    ).items():
         monkeypatch.setenv(k, v)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
     B = spec.page_size_bytes
     kvc = KVCacheConfig(
         num_blocks=N_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=2 * N_BLOCKS * B, layers=["l0", "l1"], layer_stride=N_BLOCKS * B,
-                                        block_stride=B)],
+        kv_cache_tensors=[
+            KVCacheTensor(size=2 * N_BLOCKS * B, layers=["l0", "l1"], layer_stride=N_BLOCKS * B, block_stride=B)
+        ],
         kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)],
     )
     worker = WorkerKV.start(KVLayoutPlan.from_kv_cache_config(kvc, P), "cpu", 0, 0, name)
     vc = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
-                                        data_parallel_rank=0),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, data_parallel_rank=0
+        ),
         scheduler_config=SimpleNamespace(async_scheduling=False),
         device_config=SimpleNamespace(device=torch.device("cpu")),
         kv_transfer_config=None,
     )
     with building_pools(vc, kvc):
-        p = ElasticBlockPool(num_gpu_blocks=N_BLOCKS, enable_caching=True, hash_block_size=16,
-                             enable_kv_cache_events=True)
+        p = ElasticBlockPool(
+            num_gpu_blocks=N_BLOCKS, enable_caching=True, hash_block_size=16, enable_kv_cache_events=True
+        )
     p.worker = worker
     yield p
     p.close()

@@ -33,11 +33,16 @@ def servers(tiny_model, workdir):
     common = dict(KVCACHED_HOST_MEMORY_BUDGET=str(BUDGET))
     started = []
     try:
-        s1 = h.start_server(tiny_model, names[0], h.engine_env(True, names[0], KVCACHED_MAX_CACHED_TOKENS="256",
-                                                               VLLM_CPU_OMP_THREADS_BIND="0", **common), workdir)
+        s1 = h.start_server(
+            tiny_model,
+            names[0],
+            h.engine_env(True, names[0], KVCACHED_MAX_CACHED_TOKENS="256", VLLM_CPU_OMP_THREADS_BIND="0", **common),
+            workdir,
+        )
         started.append(s1)
-        s2 = h.start_server(tiny_model, names[1], h.engine_env(True, names[1], VLLM_CPU_OMP_THREADS_BIND="1",
-                                                               **common), workdir)
+        s2 = h.start_server(
+            tiny_model, names[1], h.engine_env(True, names[1], VLLM_CPU_OMP_THREADS_BIND="1", **common), workdir
+        )
         started.append(s2)
         h.wait_healthy(s1)
         h.wait_healthy(s2)
@@ -119,8 +124,11 @@ def test_an_idle_engine_gives_its_cached_pages_to_a_loaded_peer(servers, native_
     assert after < held, (held, after)
     peak1 = max(h.mapped(s[s1.name]) for s in sampler.samples if s.get(s1.name))
     assert peak1 > BUDGET - held, "S1 never needed S2's memory: the test did not test anything"
-    assert all(h.mapped(s[s1.name]) + h.mapped(s[s2.name]) <= BUDGET
-               for s in sampler.samples if s.get(s1.name) and s.get(s2.name))
+    assert all(
+        h.mapped(s[s1.name]) + h.mapped(s[s2.name]) <= BUDGET
+        for s in sampler.samples
+        if s.get(s1.name) and s.get(s2.name)
+    )
 
 
 def test_kill9_leaves_nothing_behind_once_the_next_engine_starts(servers):

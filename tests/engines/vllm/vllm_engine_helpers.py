@@ -67,8 +67,14 @@ def engine_env(kvcached: bool, name: Optional[str] = None, **extra: str) -> Dict
 def run_driver(model: str, out: str, env: dict, *args: str, timeout: float = 900) -> dict:
     log = out + ".log"
     with open(log, "w") as f:
-        p = subprocess.run([sys.executable, os.path.join(HERE, "vllm_offline_driver.py"), model, out, *args],
-                           env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=os.path.dirname(out))
+        p = subprocess.run(
+            [sys.executable, os.path.join(HERE, "vllm_offline_driver.py"), model, out, *args],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            cwd=os.path.dirname(out),
+        )
     if p.returncode != 0:
         with open(log, errors="replace") as f:
             tail = "".join(f.readlines()[-80:])
@@ -154,7 +160,7 @@ class Sampler:
             self.samples.append(self.sample())
             self._stop.wait(self.period)
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self

@@ -46,8 +46,16 @@ def main() -> int:
 
     kwargs = {"kv_cache_memory_bytes": 64 << 20} if a.native else {}  # kvcached: capacity from the budget
     t0 = time.monotonic()
-    llm = LLM(model=a.model, dtype="float32", max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=0,
-              disable_log_stats=False, **kwargs)
+    llm = LLM(
+        model=a.model,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=8,
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        **kwargs,
+    )
     start_s = time.monotonic() - t0
     sp = SamplingParams(temperature=0, max_tokens=h.MAX_TOKENS, ignore_eos=True)
     workload = [TokensPrompt(prompt_token_ids=p) for p in h.prompts(N_PROMPTS)]
