@@ -179,23 +179,45 @@ def test_max_cached_tokens_bad_values_name_the_fix(monkeypatch, raw):
         config.max_cached_tokens()
 
 
-def test_both_engines_read_the_shared_variables_only_through_config():
-    # ENABLE_KVCACHED and KVCACHED_MAX_CACHED_TOKENS mean the same in vLLM and
-    # SGLang because nothing but kvcached.config reads them.
+def _direct_readers(var: str):
+    """Modules under kvcached/ other than kvcached.config that read ``var`` from the environment themselves."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(config.__file__)))
-    direct = re.compile(
-        r"""(environ(\.get)?\s*[\[(]|getenv\s*\()\s*["'](ENABLE_KVCACHED|KVCACHED_MAX_CACHED_TOKENS)["']"""
-    )
-    offenders = []
+    direct = re.compile(r"""(environ(\.get)?\s*[\[(]|getenv\s*\()\s*["']""" + var + """["']""")
+    found = []
     for dirpath, _, files in os.walk(os.path.join(root, "kvcached")):
         for f in files:
             path = os.path.join(dirpath, f)
             if f.endswith(".py") and path != config.__file__ and direct.search(open(path).read()):
-                offenders.append(os.path.relpath(path, root))
-    assert offenders == []
+                found.append(os.path.relpath(path, root))
+    return root, found
+
+
+def test_max_cached_tokens_means_the_same_in_both_engines():
+    # One reader (config.max_cached_tokens) and one rule (cache_excess_tokens) for vLLM and SGLang.
+    root, direct = _direct_readers("KVCACHED_MAX_CACHED_TOKENS")
+    assert direct == []
     users = []
     for engine in ("vllm/block_pool.py", "sglang/scheduler_hooks.py"):
         src = open(os.path.join(root, "kvcached", "integration", engine)).read()
         if "cache_bound import max_cached_tokens" in src and "cache_excess_tokens(" in src:
             users.append(engine)
     assert users == ["vllm/block_pool.py", "sglang/scheduler_hooks.py"]
+
+
+@pytest.mark.parametrize("raw, on", [("true", True), ("1", True), ("off", False), ("", False)])
+def test_enable_kvcached_means_the_same_in_both_engines(monkeypatch, raw, on):
+    from kvcached import autopatch
+    from kvcached.integration.sglang import plugin as sglang_plugin
+    from kvcached.integration.vllm import plugin as vllm_plugin
+
+    assert _direct_readers("ENABLE_KVCACHED")[1] == []
+    monkeypatch.setenv("ENABLE_KVCACHED", raw)
+    assert autopatch.enabled() is on and config.enabled() is on
+    monkeypatch.setenv("ENABLE_KVCACHED", "maybe")
+    # A value that is neither refuses in both engines' activation, with the same one-line message.
+    errors = []
+    for activate in (vllm_plugin.activate, sglang_plugin.activate):
+        with pytest.raises(ValueError) as e:
+            activate()
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "ENABLE_KVCACHED" in errors[0] and "\n" not in errors[0]
