@@ -1,6 +1,6 @@
 """ReleaseFence: physical release ordered after execution.
 
-Execution lifetime (BRIEF §3): ``cuMemUnmap`` does not wait for running
+Execution lifetime (docs/DESIGN.md): ``cuMemUnmap`` does not wait for running
 kernels, and with asynchronous / overlap scheduling step N+1 is submitted
 before step N's output is processed, so a block freed now may still be read by
 a submitted step. The managers therefore run with deferred release: an emptied

@@ -98,15 +98,16 @@ class ElasticInstance:
     def pages_over_limit(self) -> int:
         return sum(p.pages_over_limit() for p in self.pools)
 
-    def idle_action(self, check_peers: bool = True) -> IdleAction:
+    def idle_action(self, check_peers: bool = True, rate_limited: bool = True) -> IdleAction:
         """What an idle instance should do now. Peers' records are read at most
-        every ``peer_check_s`` unless a peer's want poked this instance."""
+        every ``peer_check_s`` (unless ``rate_limited`` is False: the caller is
+        the rate limit) or when a peer's want poked this instance."""
         act = IdleAction.NONE
         if self.pages_over_limit() > 0:
             act |= IdleAction.SHRINK_TO_LIMIT
         if check_peers:
             now = time.monotonic()
-            if now >= self._next_peer_check or self.poke.is_set():
+            if not rate_limited or now >= self._next_peer_check or self.poke.is_set():
                 self._next_peer_check = now + self.peer_check_s
                 self.poke.clear()
                 if self.peers_wanting():
@@ -176,8 +177,7 @@ class IdleWatcher(threading.Thread):
             try:
                 if self.queued or self.busy() or not self.has_memory():
                     continue  # a busy engine gives memory back from its own steps
-                inst._next_peer_check = 0.0  # this thread is the rate limit
-                act = inst.idle_action()
+                act = inst.idle_action(rate_limited=False)  # this thread's wait is the rate limit
                 if act:
                     self.queued = True
                     self.schedule(act)

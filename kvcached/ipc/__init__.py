@@ -1,4 +1,4 @@
-"""Scheduler -> worker fan-out of map/unmap over Unix sockets (seeds 002 §8).
+"""Scheduler -> worker fan-out of map/unmap over Unix sockets.
 
 The scheduler (vLLM EngineCore, a TP group's coordinator) owns the page ledger;
 every worker process owns its KV tensors. This package carries map/unmap from

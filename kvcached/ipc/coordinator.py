@@ -6,7 +6,7 @@ Its ``map`` and ``unmap`` are the ``map_fn``/``unmap_fn`` of
 error types with ``kvcached_kind`` set so the allocator sees the same kinds as
 with a local mapper.
 
-MAP (seeds 002 §8.2): one MAP message with all offsets and a transaction id to
+MAP: one MAP message with all offsets and a transaction id to
 every rank, sent before any reply is awaited (ranks work in parallel). If any
 rank fails, times out or loses its connection, ROLLBACK_MAP(tx) goes to every
 rank that mapped or might have: each unmaps exactly what that transaction newly
@@ -14,7 +14,7 @@ mapped, or records the transaction as rolled back so a late MAP is refused. The
 caller then gets the failing rank's error kind (OutOfMemoryError stays
 recoverable) or BackendError for a rank that did not answer.
 
-UNMAP (seeds 002 §8.3): PREPARE(tx) everywhere (unmap, zero page back, handles
+UNMAP: PREPARE(tx) everywhere (unmap, zero page back, handles
 retained). All prepared: COMMIT(tx) everywhere; a COMMIT whose result is
 ambiguous is retried (it is idempotent) and never turned into an ABORT, since
 some rank may have released already. Any PREPARE failed or unanswered:

@@ -14,7 +14,7 @@ cannot flood the log, and the listener keeps serving everyone else. A frame
 whose header is bad ends its connection (the stream cannot be resynchronised);
 a well-framed request that cannot be served gets an ERROR reply.
 
-Shutdown (``stop``, seeds 002 §8.4): stop accepting, wake the accept thread,
+Shutdown (``stop``): stop accepting, wake the accept thread,
 shut down the read side of every connection (a handler inside a data-plane call
 finishes it and still sends its reply: in-flight calls drain), join all threads,
 and only then unlink the socket and remove empty directories. If the threads do

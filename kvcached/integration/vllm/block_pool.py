@@ -24,8 +24,9 @@ and go to:
   ``allocate_slots`` patch turns into None after rolling the call back.
 
 Memory return: the prefix cache is bounded by ``KVCACHED_MAX_CACHED_TOKENS``
-(default: unbounded, like vLLM; ``kvcached.elastic.cache_bound``), and when the instance maps more than its
-limit allows (``kvctl limit`` lowered it) cached blocks are evicted. For both,
+(default: unbounded, like vLLM; ``kvcached.elastic.cache_bound``), and when
+the instance maps more than its limit allows (``kvctl limit`` lowered it)
+cached blocks are evicted. For both,
 victims whose eviction empties a whole page go first: a page with one cached
 block left cannot be unmapped, so evicting scattered blocks returns nothing.
 A plain allocation shortage evicts pure LRU (the slots are reused at once).
@@ -60,6 +61,28 @@ class PoolShortage(Exception):
     """Memory vanished between the free-block count and the allocation."""
 
 
+# A block whose owning pool was garbage-collected (vLLM 0.34 keeps weak
+# references): vLLM drops such blocks when they are freed.
+GONE = object()
+
+
+def owner_by_reference(pool: BlockPool, block: KVCacheBlock) -> Any:
+    """vLLM 0.30-0.33: ``block.pool`` is the owning pool itself. Returns the
+    block's pool when it is another one, else None."""
+    owner = block.pool
+    return None if owner is None or owner is pool else owner
+
+
+def owner_by_weakref(pool: BlockPool, block: KVCacheBlock) -> Any:
+    """vLLM 0.34: ``block.pool`` is ``weakref.ref(owner)`` (``BlockPool._weak_self``).
+    Returns the block's pool when it is another one (``GONE`` if collected), else None."""
+    ref = block.pool
+    if ref is None or ref is pool._weak_self:  # type: ignore[attr-defined]
+        return None
+    owner = ref()
+    return GONE if owner is None else owner
+
+
 class ElasticBlockPool(BlockPool):
     """A BlockPool whose free blocks live in a kvcached ``KVCacheManager``.
 
@@ -68,6 +91,9 @@ class ElasticBlockPool(BlockPool):
     the same coordinator class, e.g. a CPU offload pool) construction returns
     a native ``BlockPool``.
     """
+
+    # How a block names its pool, per vLLM version (versions.py: block_owner_*).
+    foreign_owner = staticmethod(owner_by_reference)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> BlockPool:
         ctx = take_pool_context()
@@ -179,14 +205,19 @@ class ElasticBlockPool(BlockPool):
                 mc.on_block_allocated(block)
         return ret
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], evict_first: bool = False) -> None:
+        """``evict_first`` (vLLM 0.34, blocks another tier already holds): freed
+        cached blocks go to the front of the evictable queue instead of its tail."""
         to_ledger: List[int] = []
         to_cache: List[KVCacheBlock] = []
         other_pools: Dict[BlockPool, List[KVCacheBlock]] = {}
         caching = self.enable_caching
+        foreign_owner = self.foreign_owner
         for block in ordered_blocks:
-            if block.pool is not None and block.pool is not self:
-                other_pools.setdefault(block.pool, []).append(block)
+            owner = foreign_owner(self, block)
+            if owner is not None:
+                if owner is not GONE:
+                    other_pools.setdefault(owner, []).append(block)
                 continue
             if block.is_null:  # never pooled; its ref_cnt is not maintained
                 continue
@@ -195,15 +226,19 @@ class ElasticBlockPool(BlockPool):
                 if block.block_hash is None or not caching:
                     to_ledger.append(block.block_id)
                 else:
-                    to_cache.append(block)  # LRU tail: evicted last
+                    to_cache.append(block)
         if to_cache:
-            self.free_block_queue.append_n(to_cache)
+            if evict_first:
+                self.free_block_queue.prepend_n(to_cache)
+            else:
+                self.free_block_queue.append_n(to_cache)  # LRU tail: evicted last
         if to_ledger:
             self._give_back(to_ledger)
         if to_cache and self._max_cached is not None:
             self._bound_cache()
+        forward = {"evict_first": True} if evict_first else {}  # vLLM < 0.34 pools do not take it
         for pool, blocks in other_pools.items():
-            pool.free_blocks(blocks)
+            pool.free_blocks(blocks, **forward)
 
     def evict_blocks(self, block_ids: set) -> None:
         super().evict_blocks(block_ids)
@@ -338,3 +373,13 @@ def patch_coordinator_module(module: Any) -> None:
             "another plugin replaced it; kvcached cannot combine with it"
         )
     module.BlockPool = ElasticBlockPool
+
+
+def use_weak_block_owners(module: Any) -> None:
+    """vLLM 0.34: blocks name their pool by ``weakref.ref`` (``block_owner_weakref``)."""
+    ElasticBlockPool.foreign_owner = staticmethod(owner_by_weakref)
+
+
+def use_block_owners_by_reference(module: Any) -> None:
+    """vLLM 0.30-0.33: blocks name their pool itself (``block_owner_by_reference``, the default)."""
+    ElasticBlockPool.foreign_owner = staticmethod(owner_by_reference)
