@@ -62,6 +62,13 @@ VARIABLES: Tuple[Var, ...] = (
         meaning="`0` turns the interpreter-start import hook off (the engine's plugin entry point still patches)",
     ),
     Var(
+        name="KVCACHED_ALLOW_UNSUPPORTED",
+        type="bool",
+        default="false",
+        meaning="`1` tries a vLLM version outside the supported range anyway (the patches of the nearest "
+        "supported version, one warning naming the seams known not to fit); unset, such a version stops start-up",
+    ),
+    Var(
         name="KVCACHED_IPC_NAME",
         type="str",
         default="`kvcached_<engine>_<pid>`",
@@ -247,6 +254,11 @@ def enabled() -> bool:
 def autopatch_enabled() -> bool:
     """KVCACHED_AUTOPATCH (default true): false/0/no/off turns the interpreter-start hook off."""
     return get_bool("KVCACHED_AUTOPATCH", True)
+
+
+def allow_unsupported() -> bool:
+    """KVCACHED_ALLOW_UNSUPPORTED (default false): patch an engine version outside the supported range anyway."""
+    return get_bool("KVCACHED_ALLOW_UNSUPPORTED", False)
 
 
 def ipc_name_env() -> Optional[str]:

@@ -108,8 +108,10 @@ def _fake_vllm(root, version: str) -> str:
     return str(root / f"v{version}")
 
 
-def test_unsupported_vllm_stops_at_import_with_one_message_naming_the_range(tmp_path):
-    path = _fake_vllm(tmp_path, "0.31.2")
+def test_unsupported_vllm_stops_at_import_with_one_line_naming_the_range(tmp_path):
+    from kvcached.integration.vllm.versions import SUPPORTED
+
+    path = _fake_vllm(tmp_path, "0.29.0")
     code = """
         from kvcached import autopatch
         autopatch.install()   # what the .pth does at interpreter start
@@ -117,12 +119,53 @@ def test_unsupported_vllm_stops_at_import_with_one_message_naming_the_range(tmp_
         print("imported")
     """
     out = _run(code, {"ENABLE_KVCACHED": "true"}, path)
-    assert out.returncode != 0
-    assert "UnsupportedVersionError: kvcached supports vLLM >=0.32,<0.34 but vLLM 0.31.2 is installed" in out.stderr
-    assert "unset ENABLE_KVCACHED" in out.stderr
+    assert out.returncode == 1 and "imported" not in out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr  # SystemExit: no traceback
+    assert lines[0].startswith(f"kvcached supports vLLM {SUPPORTED} but vLLM 0.29.0 is installed")
+    assert "unset ENABLE_KVCACHED" in lines[0] and "KVCACHED_ALLOW_UNSUPPORTED=1" in lines[0]
+    # The plugin entry point (no import hook) stops the same way.
+    out = _run(
+        "import vllm\nfrom kvcached.integration.vllm import plugin\nplugin.register()",
+        {"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "0"},
+        path,
+    )
+    assert out.returncode == 1 and f"kvcached supports vLLM {SUPPORTED}" in out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in out.stderr
     # Without kvcached enabled the same vLLM imports.
     out = _run(code.replace("autopatch.install()", "pass"), {}, path)
     assert out.returncode == 0 and "imported" in out.stdout, out.stderr
+
+
+def test_allow_unsupported_patches_anyway_with_one_warning_naming_the_broken_seams(tmp_path):
+    from kvcached.integration.vllm import versions
+
+    code = """
+        from kvcached import autopatch
+        autopatch.install()
+        import vllm
+        from kvcached.integration.vllm import plugin
+        plugin.register()   # a second activation: no second warning
+        m = plugin.manager()
+        print(".".join(map(str, m.patch_version)), sorted({r.status for r in m.results.values()}))
+    """
+    env = {"ENABLE_KVCACHED": "true", "KVCACHED_ALLOW_UNSUPPORTED": "1"}
+    out = _run(code, env, _fake_vllm(tmp_path, "0.29.0"))
+    assert out.returncode == 0, out.stderr
+    low = ".".join(map(str, versions.SUPPORTED.low))
+    assert out.stdout.split()[0] == low  # the patches of the nearest supported version
+    warnings = [ln for ln in out.stderr.splitlines() if "KVCACHED_ALLOW_UNSUPPORTED" in ln]
+    assert len(warnings) == 1, out.stderr
+    applied = {p.name for p in versions.all_patches() if versions.SUPPORTED.clamp((0, 29, 0)) in p.versions}
+    broken = sorted(p for (p, m) in versions.KNOWN_BREAKS if m == "0.29" and p in applied)
+    assert broken and f"known to fail on vLLM 0.29: {', '.join(broken)}" in warnings[0]
+    # A minor nobody read: the warning says so.
+    out = _run(code, env, _fake_vllm(tmp_path, "0.99.1"))
+    assert out.returncode == 0, out.stderr
+    assert "the seams of vLLM 0.99 were never checked" in out.stderr
+    # A typo in the switch stops start-up.
+    out = _run(code, {**env, "KVCACHED_ALLOW_UNSUPPORTED": "yess"}, _fake_vllm(tmp_path / "t", "0.29.0"))
+    assert out.returncode != 0 and "KVCACHED_ALLOW_UNSUPPORTED='yess' is not a boolean" in out.stderr
 
 
 def test_supported_vllm_activates_and_names_the_instance(tmp_path):
@@ -161,7 +204,7 @@ def test_plugin_entry_point_warns_when_the_import_hook_is_missing(tmp_path):
     out = _run(code, {"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "0"}, path)
     assert out.returncode == 0, out.stderr
     assert "ENABLE_KVCACHED is set but the interpreter-start hook is missing (KVCACHED_AUTOPATCH=0)" in out.stderr
-    assert out.stdout.strip() == "['pending']"  # patched from the entry point anyway (0.32: nothing skipped)
+    assert out.stdout.strip() == "['pending', 'skipped']"  # patched from the entry point anyway (0.34's skipped)
     out = _run(code.replace("print(sorted", "print(len(plugin.manager().results), sorted"), {}, path)
     assert out.returncode == 0 and out.stdout.startswith("0 "), out.stdout + out.stderr  # not enabled: nothing
 
@@ -180,6 +223,7 @@ def test_version_parsing_and_ranges():
     assert (0, 32, 0) in r and (0, 33, 9) in r
     assert (0, 31, 9) not in r and (0, 34, 0) not in r
     assert str(r) == ">=0.32,<0.34"
+    assert r.clamp((0, 29, 1)) == (0, 32, 0) and r.clamp((0, 35, 2)) == (0, 33, 0) and r.clamp((0, 33, 4)) == (0, 33, 4)
     for bad in ("0.32", ">=0.34,<0.32", "<0.3"):
         with pytest.raises(ValueError):
             VersionRange.parse(bad)
@@ -208,6 +252,12 @@ def test_patches_apply_once_in_range_and_when_their_module_loads():
 def test_unsupported_version_and_failing_patch_messages():
     with pytest.raises(UnsupportedVersionError, match=r"supports Eng >=0.32,<0.34 but Eng 0.34.0 is installed"):
         _manager("0.34.0").activate(lambda n, f: None)
+    m = _manager("0.34.0")  # allowed anyway: the patches of the nearest supported version (0.33)
+    m.register_patch(BasePatch("old", "t", VersionRange.parse(">=0.32,<0.33"), lambda mm: None))
+    m.register_patch(BasePatch("new", "t", VersionRange.parse(">=0.33,<0.34"), lambda mm: None))
+    m.activate(lambda n, f: None, allow_unsupported=True)
+    assert (m.version, m.patch_version) == ((0, 34, 0), (0, 33, 0))
+    assert m.results["old"].status == "skipped" and m.results["new"].status == "pending"
 
     def broken(mm):
         raise AttributeError("BlockPool")
@@ -221,6 +271,75 @@ def test_unsupported_version_and_failing_patch_messages():
     ):
         hooks["t"](types.ModuleType("t"))
     assert m.results["swap_pool"].status == "failed"
+
+
+def test_vllm_034_gets_its_own_patches_and_older_ones_do_not():
+    from kvcached.integration.vllm import versions
+
+    def active(v):
+        return {p.name for p in versions.all_patches() if v in p.versions}
+
+    only_034 = {
+        "block_owner_weakref",
+        "extensible_kv_cache_off",
+        "allocate_kv_cache_by_name:vllm.v1.worker.cpu.attn_utils",
+    }
+    assert only_034 <= active((0, 34, 0)) and not only_034 & active((0, 33, 0))
+    assert "block_owner_by_reference" in active((0, 30, 0)) and "block_owner_by_reference" not in active((0, 34, 1))
+    assert "cpu_worker_startup_check_0_32" in active((0, 30, 0)) and (0, 26, 0) in versions.CPU_STARTUP_CHECK
+
+
+def test_extensible_kv_cache_is_turned_off_when_unset_and_refused_when_asked_for():
+    from kvcached.integration.vllm.config_patches import UnsupportedConfiguration, patch_extensible_kv_cache_off
+
+    settled = []
+
+    class VllmConfig:  # vLLM 0.34's shape (config/vllm.py)
+        def __init__(self, requested):
+            self.cache_config = SimpleNamespace(enable_extensible_kv_cache=requested)
+
+        def _resolve_extensible_kv_cache(self):
+            c = self.cache_config
+            if getattr(c, "_extensible_kv_cache_resolved", False):
+                return
+            c._extensible_kv_cache_resolved = True
+            if c.enable_extensible_kv_cache is None:
+                c.enable_extensible_kv_cache = True  # vLLM's CUDA default
+            settled.append(c.enable_extensible_kv_cache)
+
+    patch_extensible_kv_cache_off(types.SimpleNamespace(VllmConfig=VllmConfig))
+    for requested in (None, False):
+        vc = VllmConfig(requested)
+        vc._resolve_extensible_kv_cache()
+        assert vc.cache_config.enable_extensible_kv_cache is False
+    assert settled == [False, False]
+    vc = VllmConfig(True)
+    with pytest.raises(UnsupportedConfiguration, match=r"--enable-extensible-kv-cache") as e:
+        vc._resolve_extensible_kv_cache()
+    assert "\n" not in str(e.value) and not isinstance(e.value, ValueError)  # pydantic would wrap a ValueError
+    vc.cache_config._extensible_kv_cache_resolved = True  # settled once: derived configs are left alone
+    vc._resolve_extensible_kv_cache()
+
+
+def test_allocate_kv_cache_wrapper_takes_allocate_none_and_refuses_an_allocator():
+    from kvcached.integration.vllm import worker_kv
+
+    calls = []
+
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None, allocate=None):
+        calls.append(allocate)
+        return {}
+
+    wrapped = worker_kv._wrap_allocate(allocate_kv_cache)
+    empty = SimpleNamespace(kv_cache_tensors=[])  # no tensors: vLLM's own function runs
+    assert wrapped(empty, "cpu", "LBHNC", None, allocate=None) == {} and calls == [None]
+
+    def extensible_allocate(n):
+        return None
+
+    with pytest.raises(InvalidArgumentError, match=r"extensible_allocate.*--no-enable-extensible-kv-cache") as e:
+        wrapped(empty, "cpu", "LBHNC", [16], allocate=extensible_allocate)
+    assert "\n" not in str(e.value) and calls == [None]
 
 
 def test_vllm_patch_table_covers_every_seam():
@@ -288,7 +407,7 @@ def test_plan_refuses_what_it_cannot_back():
             2 * MiB,
             [Placement(0, 1, 0, 64 * KiB, 64 * KiB), Placement(0, 1, 0, 64 * KiB, 32 * KiB)],
         )
-    spec = SimpleNamespace(page_size_bytes=64 * KiB, block_size=128, has_layer_views=True)
+    spec = FullAttentionSpec(page_size_bytes=64 * KiB, block_size=128, has_layer_views=True)
     cfg = SimpleNamespace(
         num_blocks=512,
         kv_cache_tensors=[
@@ -308,6 +427,96 @@ def test_plan_refuses_what_it_cannot_back():
     cfg.kv_cache_tensors[0].host_resident = False
     plan = KVLayoutPlan.from_kv_cache_config(cfg, 2 * MiB)
     assert plan.physical_pages(1) == (1, 17)
+
+
+def _spec_class(name: str) -> type:
+    """A stand-in for a vLLM KV cache spec class (the plan reads the class name and attributes)."""
+    return type(name, (SimpleNamespace,), {})
+
+
+FullAttentionSpec = _spec_class("FullAttentionSpec")
+
+
+def _kv_config(*group_specs) -> SimpleNamespace:
+    groups = [SimpleNamespace(layer_names=[f"g{i}.l0"], kv_cache_spec=s) for i, s in enumerate(group_specs)]
+    tensors = [
+        SimpleNamespace(size=64 * MiB, layers=g.layer_names, layer_stride=0, block_stride=64 * KiB, offset=0)
+        for g in groups
+    ]
+    return SimpleNamespace(num_blocks=512, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+@pytest.mark.parametrize(
+    "specs, match",
+    [
+        (("SlidingWindowSpec",), r"^kvcached does not support sliding-window attention yet \(KV cache spec Sliding"),
+        (("MambaSpec",), r"Mamba / linear-attention state yet \(KV cache spec MambaSpec\)"),
+        (("SinkFullAttentionSpec",), "attention sinks"),
+        (("SomeFutureSpec",), r"a KV cache type other than full attention yet \(KV cache spec SomeFutureSpec\)"),
+        (("FullAttentionSpec", "SlidingWindowSpec"), r"hybrid models yet: this model has 2 KV cache groups \("),
+    ],
+)
+def test_plan_refuses_models_other_than_one_full_attention_group_in_one_line(specs, match):
+    kw = dict(page_size_bytes=64 * KiB, block_size=128)
+    cfg = _kv_config(*(_spec_class(n)(**kw) for n in specs))
+    with pytest.raises(InvalidArgumentError, match=match) as e:
+        KVLayoutPlan.from_kv_cache_config(cfg, 2 * MiB)
+    assert "\n" not in str(e.value) and "unset ENABLE_KVCACHED" in str(e.value)
+    # The same layers as one full-attention group (or MLA; or wrapped in UniformTypeKVCacheSpecs) are backed.
+    for name in ("FullAttentionSpec", "MLAAttentionSpec"):
+        KVLayoutPlan.from_kv_cache_config(_kv_config(_spec_class(name)(**kw)), 2 * MiB)
+    uniform = _spec_class("UniformTypeKVCacheSpecs")(kv_cache_specs={"g0.l0": FullAttentionSpec(**kw)}, **kw)
+    KVLayoutPlan.from_kv_cache_config(_kv_config(uniform), 2 * MiB)
+
+
+def _vllm_config(**over) -> SimpleNamespace:
+    vc = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(enable_sleep_mode=False),
+        cache_config=SimpleNamespace(kv_offloading_size=None, kv_offloading_backend="native"),
+        kv_transfer_config=None,
+    )
+    for path, value in over.items():
+        obj, attr = path.split("__")
+        setattr(getattr(vc, obj) if obj != "vc" else vc, attr, value)
+    return vc
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({"model_config__enable_sleep_mode": True}, r"sleep mode \(--enable-sleep-mode / enable_sleep_mode=True\)"),
+        ({"cache_config__kv_offloading_size": 4.0}, r"KV offloading \(--kv-offloading-size with the 'native' backend"),
+        # vLLM turns --kv-offloading-size into a connector itself: the offload option is the one named.
+        (
+            {"cache_config__kv_offloading_size": 4.0, "vc__kv_transfer_config": SimpleNamespace()},
+            "--kv-offloading-size",
+        ),
+        ({"vc__kv_transfer_config": SimpleNamespace(kv_connector="X")}, r"KV connectors \(kv_transfer_config\)"),
+        ({"parallel_config__decode_context_parallel_size": 2}, "decode_context_parallel_size > 1"),
+    ],
+)
+def test_configurations_kvcached_cannot_serve_stop_start_up_in_one_line(over, match):
+    from kvcached.integration.vllm.backend import refuse_unsupported
+
+    refuse_unsupported(_vllm_config())  # the defaults are served
+    with pytest.raises(InvalidArgumentError, match=match) as e:
+        refuse_unsupported(_vllm_config(**over))
+    assert "\n" not in str(e.value)
+
+
+def test_bad_configuration_is_refused_while_the_scheduler_is_built_before_any_page(monkeypatch):
+    from kvcached.integration.vllm import backend
+
+    made = []
+    monkeypatch.setattr("kvcached.kv_cache_manager.KVCacheManager", lambda *a, **k: made.append(1))
+    ctx = backend.PoolContext(_vllm_config(model_config__enable_sleep_mode=True), _kv_config(FullAttentionSpec()))
+    with pytest.raises(InvalidArgumentError, match="sleep mode"):
+        backend.VllmBackend.create(ctx, 512)
+    ctx = backend.PoolContext(_vllm_config(), _kv_config(_spec_class("MambaSpec")(page_size_bytes=1, block_size=1)))
+    with pytest.raises(InvalidArgumentError, match="Mamba"):
+        backend.VllmBackend.create(ctx, 512)
+    assert not made
 
 
 # -------------------------------------------------------- worker executor

@@ -7,7 +7,10 @@ function. A ``PatchManager`` per engine:
 * checks the engine version once, when the engine is imported, and stops
   start-up with one message naming the supported range if it is not
   supported (``UnsupportedVersionError``), instead of failing deep inside the
-  engine later;
+  engine later. An engine plugin may let a person try an unsupported
+  version anyway (``activate(..., allow_unsupported=True)``): the patches
+  written for the nearest supported version (``VersionRange.clamp``) are then
+  applied, and ``patch_version`` says which that is;
 * applies each patch whose range contains the version as soon as its target
   module is imported (at once if it already is), through the post-import hook
   of ``kvcached.autopatch``; patches outside their range are skipped;
@@ -81,6 +84,18 @@ class VersionRange:
 
     def __contains__(self, v: Version) -> bool:
         return self.low <= tuple(v) < self.high
+
+    def clamp(self, v: Version) -> Version:
+        """The supported version nearest to ``v``: ``low`` below the range, the
+        last minor's ``.0`` (``0.33.0`` for ``<0.34``) above it, else ``v``."""
+        v = tuple(v)  # type: ignore[assignment]
+        if v < self.low:
+            return self.low
+        if v >= self.high:
+            h = self.high
+            last = (h[0], h[1], h[2] - 1) if h[2] else (h[0], h[1] - 1, 0) if h[1] else (h[0] - 1, 0, 0)
+            return max(last, self.low)
+        return v
 
     def __str__(self) -> str:
         def fmt(v: Version) -> str:
@@ -159,6 +174,9 @@ class PatchManager:
     patches: List[BasePatch] = field(default_factory=list)
     results: Dict[str, PatchResult] = field(default_factory=dict)
     version: Optional[Version] = None
+    # The version whose patches apply: ``version``, or under allow_unsupported
+    # the supported version nearest to it.
+    patch_version: Optional[Version] = None
     # Which route activated the patches first ("autopatch", "plugin"), for logs.
     activated_via: Optional[str] = None
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -172,24 +190,30 @@ class PatchManager:
             raise ValueError(f"patch {patch.name!r} is registered twice")
         self.patches.append(patch)
 
-    def check_version(self) -> Version:
-        """The engine version; raises UnsupportedVersionError outside ``supported``."""
+    def check_version(self, allow_unsupported: bool = False) -> Version:
+        """The engine version; raises UnsupportedVersionError outside ``supported``
+        unless ``allow_unsupported`` (then ``patch_version`` is the nearest supported one)."""
         if self.version is None:
             text = self.version_reader()
             v = parse_version(text)
-            if v not in self.supported:
+            if v not in self.supported and not allow_unsupported:
                 raise UnsupportedVersionError(
                     f"kvcached supports {self.library} {self.supported} but {self.library} {text} is installed; "
                     f"install a {self.library} version in that range, or unset ENABLE_KVCACHED to run without kvcached"
                 )
             self.version = v
+            self.patch_version = self.supported.clamp(v)
         return self.version
 
-    def activate(self, register_hook: Callable[[str, Callable[[ModuleType], None]], None]) -> None:
+    def activate(
+        self, register_hook: Callable[[str, Callable[[ModuleType], None]], None], allow_unsupported: bool = False
+    ) -> None:
         """Checks the version, then applies every patch in range now or when its
         module is imported (``register_hook(module_name, fn)``). Idempotent."""
         with self._lock:
-            version = self.check_version()
+            self.check_version(allow_unsupported)
+            version = self.patch_version
+            assert version is not None
             if self._activated:
                 return
             self._activated = True

@@ -520,6 +520,25 @@ def annotation_excludes(mod: str, cls: str, field: str, words: Sequence[str]) ->
     return check
 
 
+def annotation_includes(mod: str, cls: str, field: str, words: Sequence[str]) -> Check:
+    """The class-level annotation of ``cls.field`` mentions every one of ``words``
+    (e.g. ``KVCacheBlock.pool: "weakref.ref[BlockPool] | None"`` in 0.34)."""
+
+    def check(tree: Tree) -> Finding:
+        m, c, fail = _class_or_fail(tree, mod, cls)
+        if fail:
+            return fail
+        assert m is not None and c is not None
+        got = c["fields"].get(field)
+        if got is None or not got[1]:
+            return Finding(False, m.at(c["line"]), f"{cls}.{field} has no class-level annotation")
+        line, text = got
+        missing = [w for w in words if w not in text]
+        return Finding(not missing, m.at(line), f"{cls}.{field}: {text}")
+
+    return check
+
+
 def overrides_match(mod: str, cls: str, ours: Path, our_cls: str) -> Check:
     """Every method our subclass ``our_cls`` (in the kvcached file ``ours``) overrides
     accepts the engine's call: the engine's parameters, in order, start ours, and what

@@ -8,16 +8,16 @@ touches in vLLM) is checked against that release's source:
 * a version inside the patch's range must satisfy the contract (a failure is a
   patch that no longer fits the engine it claims);
 * a version outside the range where the contract is known to break is an
-  expected failure (``BROKEN``, ``xfail(strict=True)`` with the reason). When
+  expected failure (``versions.KNOWN_BREAKS``, ``xfail(strict=True)`` with the reason). When
   the range is widened the xfail no longer applies and the check must pass for
   real; when vLLM or the contract changes so that it passes, strict xfail
-  reports XPASS and ``BROKEN`` has to be updated;
-* a version outside the range not listed in ``BROKEN`` must pass: the patch's
+  reports XPASS and ``KNOWN_BREAKS`` has to be updated;
+* a version outside the range not listed in ``KNOWN_BREAKS`` must pass: the patch's
   seams are all there, only nobody has proven it yet.
 
 A new patch needs its entry in ``CONTRACTS`` (``test_every_patch_has_a_contract``).
 When a patch learns a new vLLM shape (a guard, a second code path), change its
-contract to accept both shapes and drop the ``BROKEN`` entries that then pass.
+contract to accept both shapes and drop the ``KNOWN_BREAKS`` entries that then pass.
 
 Sources come from ``scripts/engine_sources.py`` (sdist, cached outside the
 clone). A version not cached is skipped with the reason, unless
@@ -50,6 +50,7 @@ from seam_ast import (  # noqa: E402
     accepts_engine_call,
     all_of,
     annotation_excludes,
+    annotation_includes,
     any_of,
     callers_within,
     calls_in,
@@ -166,10 +167,6 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
             ),
         ),
         (
-            "KVCacheBlock.pool is the pool itself (not a weakref)",
-            annotation_excludes(KVU, "KVCacheBlock", "pool", ("weakref",)),
-        ),
-        (
             "ElasticBlockPool overrides take BlockPool's parameters",
             overrides_match(BP, "BlockPool", ROOT / "kvcached/integration/vllm/block_pool.py", "ElasticBlockPool"),
         ),
@@ -177,7 +174,11 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
             "FreeKVCacheBlockQueue API",
             all_of(
                 signature(KVU, "FreeKVCacheBlockQueue.__init__", exactly=("self", "blocks")),
-                has_methods(KVU, "FreeKVCacheBlockQueue", ["popleft_n", "append_n", "remove", "get_all_free_blocks"]),
+                has_methods(
+                    KVU,
+                    "FreeKVCacheBlockQueue",
+                    ["popleft_n", "append_n", "prepend_n", "remove", "get_all_free_blocks"],
+                ),
                 sets_attrs(KVU, "FreeKVCacheBlockQueue", ["num_free_blocks"]),
             ),
         ),
@@ -199,9 +200,19 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
                 sets_attrs(
                     "vllm.config.vllm",
                     "VllmConfig",
-                    ["parallel_config", "scheduler_config", "device_config", "kv_transfer_config"],
+                    [
+                        "parallel_config",
+                        "scheduler_config",
+                        "device_config",
+                        "kv_transfer_config",
+                        "model_config",
+                        "cache_config",
+                    ],
                 ),
                 sets_attrs("vllm.config.device", "DeviceConfig", ["device"]),
+                # backend.refuse_unsupported: sleep mode and KV offloading stop start-up
+                sets_attrs("vllm.config.model", "ModelConfig", ["enable_sleep_mode"]),
+                sets_attrs("vllm.config.cache", "CacheConfig", ["kv_offloading_size", "kv_offloading_backend"]),
             ),
         ),
     ]
@@ -320,6 +331,46 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
             sets_attrs("vllm.config.cache", "CacheConfig", ["kv_cache_memory_bytes"]),
         ),
     ],
+    "block_owner_by_reference": [
+        (
+            "KVCacheBlock.pool is the pool itself (not a weakref)",
+            all_of(
+                sets_attrs(KVU, "KVCacheBlock", ["pool"]),
+                annotation_excludes(KVU, "KVCacheBlock", "pool", ("weakref",)),
+            ),
+        ),
+    ],
+    "block_owner_weakref": [
+        (
+            "KVCacheBlock.pool is a weakref.ref of BlockPool._weak_self",
+            all_of(
+                annotation_includes(KVU, "KVCacheBlock", "pool", ("weakref.ref",)),
+                sets_attrs(BP, "BlockPool", ["_weak_self"]),
+            ),
+        ),
+        (
+            "BlockPool.free_blocks(ordered_blocks, evict_first) (ElasticBlockPool takes it)",
+            signature(BP, "BlockPool.free_blocks", has=("ordered_blocks", "evict_first")),
+        ),
+    ],
+    "extensible_kv_cache_off": [
+        (
+            "CacheConfig.enable_extensible_kv_cache (None: vLLM decides)",
+            sets_attrs("vllm.config.cache", "CacheConfig", ["enable_extensible_kv_cache"]),
+        ),
+        (
+            "VllmConfig.__post_init__ settles it through _resolve_extensible_kv_cache",
+            calls_in("vllm.config.vllm", "VllmConfig.__post_init__", "._resolve_extensible_kv_cache"),
+        ),
+        (
+            "_resolve_extensible_kv_cache runs once (_extensible_kv_cache_resolved)",
+            mentions("vllm.config.vllm", "VllmConfig._resolve_extensible_kv_cache", "_extensible_kv_cache_resolved"),
+        ),
+        (
+            "the V2 runner hands its allocator to allocate_kv_cache only when enabled (refused by the wrapper)",
+            calls_in("vllm.v1.worker.gpu.attn_utils", "init_kv_cache", "allocate_kv_cache", keywords=("allocate",)),
+        ),
+    ],
     "cpu_worker_startup_check_0_32": [
         (
             "CPUWorker.__init__(self, vllm_config, ...)",
@@ -331,8 +382,6 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
         ),
     ],
 }
-
-BY_NAME_PREFIX = "allocate_kv_cache_by_name:"
 
 
 def by_name_contract(module: str) -> List[Tuple[str, Check]]:
@@ -347,41 +396,15 @@ def by_name_contract(module: str) -> List[Tuple[str, Check]]:
 
 
 # Known breaks outside a patch's range: (patch, minor) -> why. Strict xfail.
-# docs/notes/vllm_seams.md has the evidence (file:line) and the patch each needs.
-_KV_OLD = (
-    "0.26-0.28: KVCacheTensor is (size, shared_by, offset, block_stride), one torch.zeros buffer per "
-    "tensor (GPUModelRunner._allocate_kv_cache_tensors, V2 gpu/attn_utils._allocate_kv_cache): "
-    "no allocate_kv_cache, no create_kv_cache_views, no layer_stride"
-)
-_POOL_OLD = (
-    "0.26-0.29: BlockPool has no _reuse_watchers/_notify_reuse and KVCacheBlock no pool "
-    "(ElasticBlockPool.get_new_blocks/free_blocks read them)"
-)
-_POOL_034 = (
-    "0.34: KVCacheBlock.pool is a weakref.ref (BlockPool._weak_self) and BlockPool.free_blocks takes "
-    "evict_first: ElasticBlockPool.free_blocks must follow"
-)
-_ALLOC_029 = "0.29: KVCacheConfig has no num_blocks_of (allocate_kv_cache uses kv_cache_config.num_blocks)"
-_ALLOC_034 = (
-    "0.34: allocate_kv_cache gained allocate= (V2 init_kv_cache always passes it; the extensible KV "
-    "cache's allocator) and vllm.v1.worker.cpu.attn_utils binds it by name"
-)
-_BYNAME_OLD = "0.26-0.28: no allocate_kv_cache: the runners allocate their own buffers"
-BROKEN: Dict[Tuple[str, str], str] = {
-    **{("elastic_block_pool", m): _POOL_OLD + "; " + _KV_OLD for m in ("0.26", "0.27", "0.28")},
-    ("elastic_block_pool", "0.29"): _POOL_OLD,
-    ("elastic_block_pool", "0.34"): _POOL_034,
-    **{("worker_allocate_kv_cache", m): _KV_OLD for m in ("0.26", "0.27", "0.28")},
-    ("worker_allocate_kv_cache", "0.29"): _ALLOC_029,
-    ("worker_allocate_kv_cache", "0.34"): _ALLOC_034,
-    **{(BY_NAME_PREFIX + "vllm.v1.worker.gpu_model_runner", m): _BYNAME_OLD for m in ("0.26", "0.27", "0.28")},
-    **{(BY_NAME_PREFIX + "vllm.v1.worker.gpu.attn_utils", m): _BYNAME_OLD for m in ("0.26", "0.27", "0.28")},
-    **{
-        ("cpu_worker_startup_check_0_32", m): "0.33+: CPUWorker.__init__ no longer compares the reservation with "
-        "free memory (nothing to defuse)"
-        for m in ("0.33", "0.34")
-    },
-}
+# The table lives in versions.py (KVCACHED_ALLOW_UNSUPPORTED's warning names
+# them); docs/notes/vllm_seams.md has the evidence (file:line) and the patch each needs.
+def _known_breaks() -> Dict[Tuple[str, str], str]:
+    from kvcached.integration.vllm.versions import KNOWN_BREAKS
+
+    return KNOWN_BREAKS
+
+
+BY_NAME_PREFIX = "allocate_kv_cache_by_name:"
 
 
 def contract_of(patch_name: str) -> Optional[List[Tuple[str, Check]]]:
@@ -472,7 +495,7 @@ def _cases():
         for v in VERSIONS:
             marks = []
             in_range = parse_version(v) in p.versions
-            why = BROKEN.get((p.name, minor(v)))
+            why = _known_breaks().get((p.name, minor(v)))
             if why and not in_range:
                 marks.append(pytest.mark.xfail(strict=True, reason=why))
             cases.append(pytest.param(p.name, v, in_range, id=f"{p.name}-{v}", marks=marks))
@@ -502,8 +525,21 @@ def test_every_patch_has_a_contract() -> None:
 
 def test_broken_table_names_real_patches() -> None:
     names = {p.name for p in _patches()}
-    stale = sorted({p for p, _ in BROKEN} - names)
-    assert not stale, f"BROKEN names patches that no longer exist: {stale}"
+    stale = sorted({p for p, _ in _known_breaks()} - names)
+    assert not stale, f"KNOWN_BREAKS names patches that no longer exist: {stale}"
+
+
+def test_known_breaks_cover_exactly_the_checked_minors() -> None:
+    from kvcached.integration.vllm.versions import CHECKED_MINORS
+
+    assert tuple(minor(v) for v in VERSIONS) == CHECKED_MINORS
+    assert {m for _, m in _known_breaks()} <= set(CHECKED_MINORS)
+    # A break inside a patch's own range would be a patch that does not fit what it claims.
+    from kvcached.integration.patch_base import parse_version
+
+    ranges = {p.name: p.versions for p in _patches()}
+    claimed = sorted((p, m) for p, m in _known_breaks() if p in ranges and parse_version(m) in ranges[p])
+    assert not claimed, f"KNOWN_BREAKS entries inside the patch's own range: {claimed}"
 
 
 # ------------------------------------------------------------------- table

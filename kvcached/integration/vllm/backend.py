@@ -71,11 +71,27 @@ def _device_of(vllm_config: Any) -> str:
 
 
 def refuse_unsupported(vllm_config: Any) -> None:
-    """Configurations kvcached cannot serve stop start-up with one line naming the option."""
+    """Configurations kvcached cannot serve stop start-up with one line naming the option
+    (called while the Scheduler is built, before any KV page is mapped)."""
     pc = vllm_config.parallel_config
     for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if int(getattr(pc, attr, 1) or 1) > 1:
             raise InvalidArgumentError(f"kvcached does not support {attr} > 1 yet; unset ENABLE_KVCACHED")
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "enable_sleep_mode", False):
+        raise InvalidArgumentError(
+            "kvcached does not support vLLM's sleep mode (--enable-sleep-mode / enable_sleep_mode=True): sleep "
+            "frees and restores the KV buffer behind kvcached's mappings; kvcached already gives idle KV memory "
+            "back (kvctl limit), so drop the option or unset ENABLE_KVCACHED"
+        )
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(cache, "kv_offloading_size", None) is not None:
+        backend = getattr(cache, "kv_offloading_backend", "native")
+        raise InvalidArgumentError(
+            f"kvcached does not support KV offloading (--kv-offloading-size with the {backend!r} backend): the "
+            "offload connector copies blocks outside the scheduler's steps, so a page could be unmapped under a "
+            "copy; drop the option or unset ENABLE_KVCACHED"
+        )
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise InvalidArgumentError(
             "kvcached does not support KV connectors (kv_transfer_config): they read blocks outside "

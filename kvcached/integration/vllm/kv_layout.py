@@ -1,6 +1,6 @@
 """Where vLLM's KV blocks lie in its one KV buffer, in kvcached pages.
 
-vLLM (0.32/0.33) allocates one int8 buffer of ``size`` bytes and cuts per-layer
+vLLM (0.29-0.34) allocates one int8 buffer of ``size`` bytes and cuts per-layer
 views from it. Each ``KVCacheTensor(size, layers, layer_stride, block_stride,
 offset)`` says: layer ``l``'s block ``b`` starts at byte
 ``offset + l * layer_stride + b * block_stride`` and is ``block_bytes`` long
@@ -93,10 +93,11 @@ class KVLayoutPlan:
 
     @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any, page_size: int) -> KVLayoutPlan:
-        """The plan of a vLLM ``KVCacheConfig`` (read by attribute, as vLLM 0.32/0.33 define it)."""
+        """The plan of a vLLM ``KVCacheConfig`` (read by attribute, as vLLM 0.29-0.34 define it)."""
         tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
         if not tensors:
             raise InvalidArgumentError("kvcached: this model has no KV cache tensors; unset ENABLE_KVCACHED")
+        refuse_unsupported_model(kv_cache_config)
         sizes = {int(t.size) for t in tensors}
         if len(sizes) != 1:
             raise InvalidArgumentError(
@@ -177,6 +178,48 @@ class KVLayoutPlan:
             f"{len(self.placements)} tensor(s) / {self.num_layers} layers, page {self.page_size} B, "
             f"{self.num_logical_pages} logical pages)"
         )
+
+
+# KV cache spec classes kvcached backs: every block is kept until its request
+# frees it. Subclasses not listed (R-SWA, attention sinks, hidden-state
+# caches, ...) are refused: they free or size blocks in ways nobody checked.
+FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+# What a refused spec class is, for the one line that names the model feature.
+_SPEC_FEATURES = {
+    "SlidingWindowSpec": "sliding-window attention",
+    "SlidingWindowMLASpec": "sliding-window attention",
+    "RSWASpec": "sliding-window attention (R-SWA)",
+    "ChunkedLocalAttentionSpec": "chunked local attention",
+    "MambaSpec": "Mamba / linear-attention state",
+    "CrossAttentionSpec": "cross attention (encoder-decoder)",
+    "EncoderOnlyAttentionSpec": "encoder-only attention",
+    "SinkFullAttentionSpec": "attention sinks",
+}
+
+
+def _specs_of(spec: Any) -> List[Any]:
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    return list(inner.values()) if isinstance(inner, dict) else [spec]
+
+
+def refuse_unsupported_model(kv_cache_config: Any) -> None:
+    """One line naming the model feature when the KV cache is not one group of
+    full attention (hybrid models, sliding window, Mamba, ...): vLLM frees such
+    blocks by its own rules (window, state), which kvcached's pages do not follow yet."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    kinds = sorted({type(s).__name__ for g in groups for s in _specs_of(g.kv_cache_spec)})
+    if len(groups) > 1:
+        raise InvalidArgumentError(
+            f"kvcached does not support hybrid models yet: this model has {len(groups)} KV cache groups "
+            f"({', '.join(kinds)}); unset ENABLE_KVCACHED for this model"
+        )
+    for kind in kinds:
+        if kind not in FULL_ATTENTION_SPECS:
+            feature = _SPEC_FEATURES.get(kind, "a KV cache type other than full attention")
+            raise InvalidArgumentError(
+                f"kvcached does not support {feature} yet (KV cache spec {kind}); unset ENABLE_KVCACHED for this model"
+            )
 
 
 def _spec_of(groups: List[Any], layer_name: str) -> Any:

@@ -11,7 +11,10 @@ EngineCore, each worker), and both are idempotent:
   not run (then a warning says so).
 
 ``activate`` checks the vLLM version (outside the supported range start-up
-stops with one message naming it) and hooks every patch of ``versions`` to
+stops with one line naming it: ``SystemExit``, no traceback;
+``KVCACHED_ALLOW_UNSUPPORTED=1`` tries it anyway with the patches of the
+nearest supported version and one warning naming the seams known not to fit)
+and hooks every patch of ``versions`` to
 its target module. The first vLLM process of an instance also fixes the
 instance name (``KVCACHED_IPC_NAME``, inherited by the processes it spawns):
 the scheduler's record and the workers' sockets must agree on it, and two
@@ -27,8 +30,8 @@ import threading
 import weakref
 from typing import Optional
 
-from kvcached import autopatch, naming
-from kvcached.integration.patch_base import PatchManager
+from kvcached import autopatch, config, naming
+from kvcached.integration.patch_base import PatchManager, UnsupportedVersionError
 from kvcached.integration.vllm import versions
 
 logger = logging.getLogger("vllm.kvcached")
@@ -36,6 +39,7 @@ logger = logging.getLogger("vllm.kvcached")
 _lock = threading.Lock()
 _manager: Optional[PatchManager] = None
 _warned_no_hook = False
+_warned_unsupported = False
 _cleanup_registered = False
 
 
@@ -80,7 +84,7 @@ def activate() -> None:
     if not autopatch.enabled():
         return
     name = ensure_instance_name()
-    manager().activate(autopatch.register_post_import_hook)
+    _activate_patches(manager())
     with _lock:
         if not _cleanup_registered and multiprocessing.parent_process() is None:
             # The process that starts the engine outlives its EngineCore and
@@ -90,6 +94,23 @@ def activate() -> None:
             # first at exit, so this older one runs after them.
             _cleanup_registered = True
             weakref.finalize(_sentinel, _cleanup_at_exit, name)
+
+
+def _activate_patches(m: PatchManager) -> None:
+    allow = config.allow_unsupported()
+    try:
+        m.activate(autopatch.register_post_import_hook, allow_unsupported=allow)
+    except UnsupportedVersionError as e:
+        # One line and stop: running vLLM unpatched while the user asked for
+        # kvcached would silently use static memory, and a patch that misfits
+        # the engine would corrupt KV state.
+        raise SystemExit(f"{e} (KVCACHED_ALLOW_UNSUPPORTED=1 tries it anyway, unsupported)") from None
+    global _warned_unsupported
+    with _lock:
+        if m.version not in m.supported and not _warned_unsupported:
+            _warned_unsupported = True
+            assert m.version is not None and m.patch_version is not None
+            logger.warning(versions.unsupported_warning(_vllm_version(), m.version, m.patch_version))
 
 
 def _cleanup_at_exit(name: str) -> None:

@@ -135,11 +135,11 @@ def _elastic_allocate(
     layout: Any,
     kernel_block_sizes: Optional[List[int]] = None,
 ) -> Dict[str, Any]:
+    if not kv_cache_config.kv_cache_tensors:
+        return orig(kv_cache_config, device, layout, kernel_block_sizes)
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
 
-    if not kv_cache_config.kv_cache_tensors:
-        return orig(kv_cache_config, device, layout, kernel_block_sizes)
     plan = KVLayoutPlan.from_kv_cache_config(kv_cache_config, config.page_size())
     buf_size = plan.buffer_size
     if current_platform.is_rocm():  # vLLM pads the ROCm buffer to 4 KiB (allocate_kv_cache)
@@ -151,7 +151,7 @@ def _elastic_allocate(
     kv = WorkerKV.start(plan, device_string(device), tp, pp, name)
     buf = kv.raw[:buf_size]
 
-    # From here on exactly vLLM's loop (vllm/v1/worker/utils.py, 0.32 and 0.33).
+    # From here on exactly vLLM's loop (vllm/v1/worker/utils.py, 0.30-0.33).
     kv_caches: Dict[str, Any] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
         layer_name = tensor.layers[0]
@@ -181,7 +181,15 @@ def _elastic_allocate(
 def _wrap_allocate(orig: Callable[..., Dict[str, Any]]) -> Callable[..., Dict[str, Any]]:
     # A module-level function, not a method: patch_base.wrap_method does not apply.
     @functools.wraps(orig)
-    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):  # type: ignore[no-untyped-def]
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None, allocate=None):  # type: ignore[no-untyped-def]
+        # vLLM 0.34 passes allocate= (None unless its extensible KV cache, which
+        # kvcached turns off at config time, allocates the buffer).
+        if allocate is not None:
+            raise InvalidArgumentError(
+                f"kvcached: vLLM passed its own KV buffer allocator ({getattr(allocate, '__qualname__', allocate)}, "
+                "e.g. the extensible KV cache); kvcached backs the KV buffer itself: pass "
+                "--no-enable-extensible-kv-cache or unset ENABLE_KVCACHED"
+            )
         return _elastic_allocate(orig, kv_cache_config, device, layout, kernel_block_sizes)
 
     setattr(allocate_kv_cache, WRAPPED, orig)

@@ -168,3 +168,51 @@ def test_an_allocation_overtaken_by_another_process_raises_pool_shortage_and_lea
         pool.get_new_blocks(4)
     monkeypatch.undo()
     assert (pool.get_num_free_blocks(), pool.num_in_use_blocks(), _mapped(pool)) == before
+
+
+def test_evict_first_puts_freed_cached_blocks_at_the_front_of_the_evictable_queue(pool):
+    # vLLM 0.34 frees blocks another tier already holds with evict_first=True.
+    old = pool.get_new_blocks(2)
+    new = pool.get_new_blocks(2)
+    for i, blk in enumerate(old + new):
+        _hash(pool, blk, b"e%d" % i)
+    pool.free_blocks(old)
+    pool.free_blocks(new, evict_first=True)
+    order = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    assert order == [b.block_id for b in new + old]  # oldest-evicted first: the evict_first ones
+    assert pool.evict_cached(2) == 2
+    assert {b.block_id for b in pool.free_block_queue.get_all_free_blocks()} == {b.block_id for b in old}
+
+
+@pytest.mark.parametrize("weak", [False, True])
+def test_blocks_of_another_pool_are_forwarded_by_reference_or_weakref(pool, monkeypatch, weak):
+    import gc
+    import weakref
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvcached.integration.vllm import block_pool as bp
+
+    other = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    mine = pool.get_new_blocks(1)
+    theirs = other.get_new_blocks(2)
+    if weak:  # vLLM 0.34's shape, on the installed vLLM: blocks hold weakref.ref(pool)
+        monkeypatch.setattr(bp.ElasticBlockPool, "foreign_owner", staticmethod(bp.owner_by_weakref))
+        pool._weak_self = weakref.ref(pool)
+        for b in pool.blocks:
+            b.pool = pool._weak_self
+        for b in other.blocks:
+            b.pool = weakref.ref(other)
+    seen = []
+    monkeypatch.setattr(other, "free_blocks", lambda blocks, **kw: seen.append(([b.block_id for b in blocks], kw)))
+    pool.free_blocks(mine + theirs, evict_first=True)
+    assert seen == [([b.block_id for b in theirs], {"evict_first": True})]
+    assert pool.num_in_use_blocks() == 0  # its own block came back
+    pool.free_blocks(theirs)  # without evict_first nothing extra is passed (vLLM < 0.34 pools)
+    assert seen[-1] == ([b.block_id for b in theirs], {})
+    if weak:  # a collected owner: vLLM drops its blocks, so does the pool
+        for b in theirs:
+            b.pool = weakref.ref(BlockPool(num_gpu_blocks=2, enable_caching=False, hash_block_size=16))
+        gc.collect()
+        pool.free_blocks(theirs)
+        assert len(seen) == 2
