@@ -12,9 +12,27 @@ engine's modules are imported: the ``.pth`` file does, and this module then
   plugin then stops start-up with the same message);
 * installs a post-import hook (a meta-path finder that runs callbacks right
   after a watched module finishes executing) and watches each engine's
-  top-level package (``ENGINE_ACTIVATORS``): when vLLM is imported,
-  ``kvcached.integration.vllm.plugin.activate`` checks the version and hooks
-  each patch to its target module (SGLang likewise).
+  top-level package (``ENGINE_ACTIVATORS``): when vLLM is imported in a
+  process that runs vLLM, ``kvcached.integration.vllm.plugin.activate`` checks
+  the version and hooks each patch to its target module (SGLang likewise).
+
+Which engine a process runs (``runs_engine``) is decided by what the process
+is doing, not by what it imports: engines import each other as libraries
+(SGLang imports ``vllm._custom_ops`` for a kernel), and activating vLLM's
+patches there would run vLLM's version check inside SGLang. The rule:
+
+1. the entry point: ``python -m vllm...``/``python -m sglang...`` (``__main__``
+   or, in a spawned child, ``__mp_main__``), or a console script named after
+   the engine (``vllm serve``), or a script inside the engine's package; a
+   spawned child inherits the parent's ``sys.argv`` so it decides the same;
+2. otherwise (``LLM``/``Engine`` in a user script, pytest): the engine whose
+   package was imported first in the process. An engine imported by another
+   engine's code is always imported after that engine's package, so it is a
+   library there and is left alone.
+
+The engines' own plugin entry points (``vllm.general_plugins``,
+``sglang.srt.plugins``) run only in that engine's processes and activate
+directly, whatever this rule says.
 
 It is cheap (no torch, no engine, no extension import) and never raises at
 interpreter start: a failure to install is reported on stderr once and the
@@ -26,6 +44,7 @@ purpose: the engine must not start half patched.
 from __future__ import annotations
 
 import importlib.abc
+import os
 import sys
 import threading
 from types import ModuleType
@@ -43,6 +62,7 @@ _lock = threading.RLock()
 _hooks: Dict[str, List[Callable[[ModuleType], None]]] = {}
 _finder: Optional[_PostImportFinder] = None
 _installed_at_start = False
+_first_engine: Optional[str] = None  # the engine package whose import started first here
 
 
 def enabled() -> bool:
@@ -103,6 +123,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             # A reload runs the module body again: its functions are fresh, so
             # the patches must be applied again.
             module.__dict__.pop("__kvcached_patches__", None)
+            _note_engine_import(fullname)
             inner(module)
             _run_hooks(fullname, module)
 
@@ -150,12 +171,103 @@ def register_post_import_hook(name: str, fn: Callable[[ModuleType], None]) -> No
         fn(mod)
 
 
-def _activator(spec: str) -> Callable[[ModuleType], None]:
+def _note_engine_import(name: str) -> None:
+    global _first_engine
+    with _lock:
+        if _first_engine is None and name in ENGINE_ACTIVATORS:
+            _first_engine = name
+
+
+def _engine_of_path(path: str) -> Optional[str]:
+    """The engine whose package holds the script ``path`` (None: none)."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i, part in enumerate(parts[:-1]):
+        if part in ENGINE_ACTIVATORS and os.path.isfile(os.sep.join(parts[: i + 1] + ["__init__.py"])):
+            return part
+    return None
+
+
+def _dash_m_engine(argv: List[str]) -> Optional[str]:
+    """The engine of ``python [options] -m engine.module ...`` (known before runpy
+    imports the module's package), else None."""
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-X", "-W"):
+            i += 2
+            continue
+        if a == "-m" or (a.startswith("-m") and len(a) > 2):
+            mod = a[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            top = mod.split(".")[0]
+            return top if top in ENGINE_ACTIVATORS else None
+        if a == "-c" or not a.startswith("-"):
+            return None  # code or a script: the rest are its arguments
+        i += 1
+    return None
+
+
+def entry_point_engine() -> Optional[str]:
+    """The engine this process was started as (``python -m sglang.launch_server``,
+    ``vllm serve``, a child spawned by either), or None (a user script, pytest, ``-c``)."""
+    top = _dash_m_engine(getattr(sys, "orig_argv", None) or [])
+    if top is not None:
+        return top
+    for main in ("__main__", "__mp_main__"):
+        spec = getattr(sys.modules.get(main), "__spec__", None)
+        top = (getattr(spec, "name", None) or "").split(".")[0]
+        if top in ENGINE_ACTIVATORS:
+            return top
+    argv0 = sys.argv[0] if sys.argv and isinstance(sys.argv[0], str) else ""
+    if argv0 and argv0 not in ("-c", "-m", "-"):
+        stem = os.path.splitext(os.path.basename(argv0))[0]
+        if stem in ENGINE_ACTIVATORS and not os.path.isfile(os.path.join(os.path.dirname(argv0), "__init__.py")):
+            return stem  # the engine's console script
+        return _engine_of_path(argv0)
+    return None
+
+
+def runs_engine(engine: str) -> bool:
+    """True when this process runs ``engine`` (the rule in the module docstring)."""
+    by_entry = entry_point_engine()
+    if by_entry is not None:
+        return by_entry == engine
+    with _lock:
+        if _first_engine is None:  # installed after an engine was imported: what is loaded
+            return not any(e in sys.modules for e in ENGINE_ACTIVATORS if e != engine)
+        return _first_engine == engine
+
+
+def engine_version(package: str, label: str) -> str:
+    """``package.__version__``, else its distribution metadata, else a one-line
+    ``SystemExit`` naming the fix (never a traceback)."""
+    import importlib
+
+    try:
+        v = getattr(importlib.import_module(package), "__version__", None)
+    except Exception:
+        v = None
+    if v:
+        return str(v)
+    try:
+        from importlib.metadata import version
+
+        return str(version(package))
+    except Exception as e:
+        raise SystemExit(
+            f"kvcached: cannot tell the {label} version ({package}.__version__ is missing and "
+            f"{type(e).__name__} reading the '{package}' distribution metadata); install {label} "
+            f"with pip (`pip install -e .` for a source checkout) or unset ENABLE_KVCACHED"
+        ) from None
+
+
+def _activator(engine: str, spec: str) -> Callable[[ModuleType], None]:
     def run(module: ModuleType) -> None:
         import importlib
 
         if getattr(module, "KVCACHED_TEST_STUB", False):
             return  # a test stand-in (tests/engines/sglang_stubs/vllm), not the engine
+        if not runs_engine(engine):
+            return  # imported as a library by another engine or a tool: left alone
         mod_name, func = spec.split(":")
         getattr(importlib.import_module(mod_name), func)()
 
@@ -167,7 +279,7 @@ def install() -> None:
     with _lock:
         for engine, spec in ENGINE_ACTIVATORS.items():
             if engine not in _hooks:
-                register_post_import_hook(engine, _activator(spec))
+                register_post_import_hook(engine, _activator(engine, spec))
 
 
 def _at_interpreter_start() -> None:

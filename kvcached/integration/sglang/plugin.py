@@ -6,7 +6,9 @@ Two ways in, both ending in ``activate()`` (idempotent):
   SGLang calls ``load_plugins()`` in the launching process and as the first
   line of every scheduler process (spawned, so it re-imports everything);
 * ``kvcached.autopatch`` (the ``.pth`` hook) calls ``activate()`` as soon as
-  ``sglang`` is imported, in every Python process with ``ENABLE_KVCACHED=true``.
+  ``sglang`` is imported in a process that runs SGLang (``ENABLE_KVCACHED=true``;
+  a vLLM process importing ``sglang`` for a kernel is left alone: see
+  ``autopatch.runs_engine``).
 
 ``activate()`` checks the SGLang version once and hooks each patch of
 ``patches.all_patches()`` to its module (applied at once if it is already
@@ -30,15 +32,10 @@ _manager: Optional[PatchManager] = None
 
 
 def sglang_version() -> str:
-    """The installed SGLang version (distribution metadata, else ``sglang.__version__``)."""
-    try:
-        from importlib.metadata import version
+    """``sglang.__version__``, else the distribution metadata, else one line naming the fix."""
+    from kvcached.autopatch import engine_version
 
-        return version("sglang")
-    except Exception:
-        import sglang
-
-        return str(getattr(sglang, "__version__", "0"))
+    return engine_version("sglang", "SGLang")
 
 
 def patch_manager() -> PatchManager:

@@ -4,7 +4,9 @@ Two routes reach ``activate`` in every vLLM process (API server / LLM,
 EngineCore, each worker), and both are idempotent:
 
 * the interpreter-start hook (``kvcached_autopatch.pth`` -> ``kvcached.autopatch``)
-  calls it when ``vllm`` is imported, before any engine module loads;
+  calls it when ``vllm`` is imported in a process that runs vLLM (not when
+  another engine, e.g. SGLang, imports ``vllm`` as a library: see
+  ``autopatch.runs_engine``), before any engine module loads;
 * vLLM's plugin loader calls ``register`` (entry point
   ``vllm.general_plugins: kvcached``) in each process before the block pool
   and the KV tensors exist, so the patches apply even where the .pth file did
@@ -51,14 +53,8 @@ _sentinel = _Sentinel()
 
 
 def _vllm_version() -> str:
-    import vllm
-
-    v = getattr(vllm, "__version__", None)
-    if v is None:  # pragma: no cover - every vLLM since 0.2 has it
-        from importlib.metadata import version
-
-        v = version("vllm")
-    return str(v)
+    """``vllm.__version__``, else the distribution metadata, else one line naming the fix."""
+    return autopatch.engine_version("vllm", "vLLM")
 
 
 def manager() -> PatchManager:
