@@ -15,7 +15,11 @@ Rules shared by every reader:
     start-up, not silently pick a default.
   * booleans: true/1/yes/on and false/0/no/off (any case, surrounding spaces ignored).
 
-Names follow the upstream kvcached project so existing deployments keep working.
+Names follow the upstream kvcached project so existing deployments keep working
+(upstream's own spellings are in the table too; docs/COMPAT.md).
+
+Why this module is long: it is the one table of every variable plus one short
+reader each; splitting it would split the table README is generated from.
 No import beyond the standard library: the interpreter-start hook reads this.
 """
 
@@ -82,10 +86,24 @@ VARIABLES: Tuple[Var, ...] = (
         meaning="kvcached page size in bytes (a multiple of the backend granularity)",
     ),
     Var(
+        name="KVCACHED_PAGE_SIZE_MB",
+        type="int",
+        default="-",
+        meaning="upstream's spelling of the page size, in MiB (a positive integer); when `KVCACHED_PAGE_SIZE` "
+        "is set too, the two must agree",
+    ),
+    Var(
         name="KVCACHED_CONTIGUOUS_LAYOUT",
         type="bool",
         default="false",
-        meaning="one compound range `[chunk][layer][kv]` instead of one range per layer",
+        meaning="one compound range `[chunk][layer][kv]` instead of one range per layer (upstream's CUDA "
+        "default is true: see docs/COMPAT.md)",
+    ),
+    Var(
+        name="KVCACHED_NIXL_CONTIGUOUS_LAYOUT",
+        type="bool",
+        default="-",
+        meaning="upstream's NIXL spelling of `KVCACHED_CONTIGUOUS_LAYOUT`, used only when that one is unset",
     ),
     Var(
         name="KVCACHED_MIN_RESERVED_PAGES",
@@ -120,6 +138,20 @@ VARIABLES: Tuple[Var, ...] = (
         "SGLang: unlocked radix entries above it are evicted after each batch",
     ),
     Var(
+        name="KVCACHED_MAX_CACHED_BLOCKS",
+        type="int",
+        default="1000",
+        meaning="read as upstream does (`kvcached.utils.MAX_CACHED_BLOCKS`) and, as there, bounds nothing; "
+        "the prefix-cache bound is `KVCACHED_MAX_CACHED_TOKENS`",
+    ),
+    Var(
+        name="KVCACHED_SANITY_CHECK",
+        type="bool",
+        default="false",
+        meaning="`true` runs `KVCacheManager.check_invariants()` after every alloc/free/reserve (slow; for "
+        "debugging). Bad ids are refused with or without it",
+    ),
+    Var(
         name="KVCACHED_GPU_UTILIZATION",
         type="float",
         default="0.95",
@@ -137,7 +169,7 @@ VARIABLES: Tuple[Var, ...] = (
         type="float",
         default="10",
         meaning="seconds one TP request may take before the coordinator treats the rank as not answering "
-        "(recovery gets 3x)",
+        "(recovery gets 3x); `0` or less (upstream: no timeout) waits up to 3600 s, never forever",
     ),
     Var(
         name="KVCACHED_PP_SIZE",
@@ -150,6 +182,25 @@ VARIABLES: Tuple[Var, ...] = (
         type="float",
         default="50",
         meaning="microseconds a TP coordinator polls for a reply before it sleeps (0: sleep at once)",
+    ),
+    Var(
+        name="KVCACHED_LOG_LEVEL",
+        type="str",
+        default="-",
+        meaning="level of the `kvcached` logger (DEBUG, INFO, WARNING, ERROR, CRITICAL); when set, kvcached "
+        "logs through its own handler as upstream does (unset: records go to the engine's logging)",
+    ),
+    Var(
+        name="KVCACHED_LOG_COLOR",
+        type="bool",
+        default="true",
+        meaning="colour the level prefix of kvcached's own handler on a terminal (upstream's switch)",
+    ),
+    Var(
+        name="KVCACHED_LOG_COLOR_CODE",
+        type="str",
+        default="`\\033[36m`",
+        meaning="ANSI colour of kvcached's own handler for levels without their own colour (upstream's)",
     ),
     Var(
         name="KVCACHED_FAULT_INJECT",
@@ -267,11 +318,57 @@ def ipc_name_env() -> Optional[str]:
 
 
 def page_size() -> int:
-    return get_int("KVCACHED_PAGE_SIZE", DEFAULT_PAGE_SIZE)
+    """KVCACHED_PAGE_SIZE in bytes, else upstream's KVCACHED_PAGE_SIZE_MB in MiB, else 2 MiB.
+
+    Both set and different raises ValueError: which one was meant is unknown."""
+    mb = get_int("KVCACHED_PAGE_SIZE_MB", 0)
+    if _raw("KVCACHED_PAGE_SIZE_MB", "int") is not None and mb <= 0:
+        raise ValueError(f"KVCACHED_PAGE_SIZE_MB={mb} must be a positive number of MiB, e.g. 2")
+    size = get_int("KVCACHED_PAGE_SIZE", mb * MiB or DEFAULT_PAGE_SIZE)
+    if mb and size != mb * MiB:
+        raise ValueError(f"KVCACHED_PAGE_SIZE={size} and KVCACHED_PAGE_SIZE_MB={mb} disagree; unset one of them")
+    return size
 
 
 def contiguous_layout() -> bool:
+    """KVCACHED_CONTIGUOUS_LAYOUT, else upstream's KVCACHED_NIXL_CONTIGUOUS_LAYOUT, else false."""
+    if _raw("KVCACHED_CONTIGUOUS_LAYOUT", "bool") is None:
+        return get_bool("KVCACHED_NIXL_CONTIGUOUS_LAYOUT", False)
     return get_bool("KVCACHED_CONTIGUOUS_LAYOUT", False)
+
+
+def sanity_check() -> bool:
+    """KVCACHED_SANITY_CHECK (default false): verify the manager's whole state after every change."""
+    return get_bool("KVCACHED_SANITY_CHECK", False)
+
+
+def max_cached_blocks() -> int:
+    """KVCACHED_MAX_CACHED_BLOCKS (default 1000), exported as upstream does; it bounds nothing."""
+    return get_int("KVCACHED_MAX_CACHED_BLOCKS", 1000)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level() -> Optional[str]:
+    """KVCACHED_LOG_LEVEL upper-cased (None: unset); a name not in LOG_LEVELS raises ValueError."""
+    v = get_str("KVCACHED_LOG_LEVEL")
+    if v is None:
+        return None
+    level = v.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"KVCACHED_LOG_LEVEL={v!r} is not a level; use one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def log_color() -> bool:
+    """KVCACHED_LOG_COLOR (default true)."""
+    return get_bool("KVCACHED_LOG_COLOR", True)
+
+
+def log_color_code() -> str:
+    """KVCACHED_LOG_COLOR_CODE (default cyan, ``\\033[36m``)."""
+    return get_str("KVCACHED_LOG_COLOR_CODE") or "\033[36m"
 
 
 def min_reserved_pages() -> int:
@@ -355,18 +452,17 @@ def host_memory_budget() -> Optional[int]:
 
 
 DEFAULT_IPC_TIMEOUT_S = 10.0
+# KVCACHED_IPC_TIMEOUT <= 0 is upstream's "no timeout"; we still never wait forever.
+NO_TIMEOUT_CAP_S = 3600.0
 
 
 def ipc_timeout_s() -> float:
-    """KVCACHED_IPC_TIMEOUT in seconds (> 0, default 10)."""
+    """KVCACHED_IPC_TIMEOUT in seconds (default 10); 0 or less (upstream: no timeout) gives NO_TIMEOUT_CAP_S."""
     name = "KVCACHED_IPC_TIMEOUT"
-    v = _raw(name, "float")
-    if v is None:
-        return DEFAULT_IPC_TIMEOUT_S
     t = get_float(name, DEFAULT_IPC_TIMEOUT_S, unit="a number of seconds")
-    if not t > 0:
-        raise ValueError(f"{name}={v!r} must be > 0 seconds")
-    return t
+    if t != t or t == float("inf"):
+        raise ValueError(f"{name}={os.environ.get(name)!r} must be a finite number of seconds (0: no timeout)")
+    return t if t > 0 else NO_TIMEOUT_CAP_S
 
 
 def pp_size() -> int:

@@ -69,7 +69,7 @@ import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-from kvcached import _C, config, naming
+from kvcached import _C, config, naming, pool_registry
 from kvcached.block_geometry import BlockGeometry
 from kvcached.block_index import BlockIndex
 from kvcached.block_ledger import FREE, NULL, OUT, RESERVED, BlockLedger
@@ -80,12 +80,14 @@ from kvcached.manager_setup import (
     LimitsFactory,
     MapFn,
     Mapper,
+    auto_record,
     build_collaborators,
     check_tensors,
     reserve_bounds,
     resolve_page_size,
 )
 from kvcached.page_release import PageRelease
+from kvcached.utils import KVCachedConfigError, configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,21 @@ _UNITS = {"b": 1, "bytes": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 EMPTY_PAGE_GRACE_S = 0.25
 # At most this many emptied pages are parked at a time (the rest go at once).
 MAX_PARKED_PAGES = 4
+
+
+def _non_negative(name: str, value: object) -> int:
+    try:
+        v = -1 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = -1
+    if v < 0:
+        raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
+    return v
+
+
+def _revision_reached(applied: int, written: int) -> bool:
+    # Record revisions are 32-bit counters: "applied at or after written", modulo wrap.
+    return ((int(applied) - int(written)) & 0xFFFFFFFF) < 0x80000000
 
 
 def _count(name: str, value: object) -> int:
@@ -129,13 +146,20 @@ class KVCacheManager:
             null block); it is mapped as soon as the KV tensors exist.
         num_kv_buffers: 2 for separate K and V, 1 for MLA / packed KV.
         group_id: the KV tensor group (hybrid models have several).
-        pool_name: name of this pool and of its record (default: ``kvcached.naming``'s
-            ``KVCACHED_IPC_NAME`` or ``kvcached_<engine>_<pid>``, ``_g<group>`` for group > 0).
+        pool_name: name of this pool (upstream's stable label) and, with
+            ``own_segment=True``, of its record; default: the record's name, else
+            ``kvcached.naming``'s ``KVCACHED_IPC_NAME`` or ``kvcached_<engine>_<pid>``
+            (``_g<group>`` for group > 0).
         defer_physical_release: keep emptied pages mapped until
             ``release_retired_pages_through`` passes a marker captured after
             they emptied.
-        own_segment: shorthand for ``limits=limits_factory(engine=engine,
-            device=device, name=pool_name, group_id=group_id)``.
+        own_segment: True: shorthand for ``limits=limits_factory(engine=engine,
+            device=device, name=pool_name, group_id=group_id)`` (a record in the
+            device budget). None (default) with ``limits`` not given: a record
+            named for the instance, outside any device budget, as upstream's
+            manager always has (``kvctl list`` shows it, ``kvctl limit`` caps it;
+            a name held by a live process gets upstream's ``_<k>`` suffix);
+            skipped when the device is unknown. False: no record.
         map_fn, unmap_fn: shorthand for ``mapper=FunctionMapper(map_fn, unmap_fn)``.
         page_size: bytes per kvcached page (default: the initialized data
             plane's, else ``KVCACHED_PAGE_SIZE``).
@@ -147,7 +171,8 @@ class KVCacheManager:
             ``TPCoordinator``); None: this process's data plane.
         limits: called once with this manager's PageAllocator before anything
             is mapped; returns the attached ``InstanceLimits`` that admits every
-            fresh page (``manager_setup.limits_factory``); None: no record.
+            fresh page (``manager_setup.limits_factory``); None: no record;
+            not given: see ``own_segment``.
         release_barrier: called before empty pages are handed back, e.g.
             ``manager_setup.device_sync_barrier(device)``; None: none; AUTO:
             a device sync when async_sched, local CUDA, no deferred release.
@@ -157,6 +182,7 @@ class KVCacheManager:
 
     The shorthands (world_size fan-out, map_fn/unmap_fn, own_segment + engine,
     async_sched) are resolved by ``manager_setup.build_collaborators``.
+    Every manager is listed in ``kvcached.pool_registry`` until ``shutdown()``.
     """
 
     def __init__(
@@ -173,7 +199,7 @@ class KVCacheManager:
         group_id: int = 0,
         pool_name: Optional[str] = None,
         defer_physical_release: bool = False,
-        own_segment: bool = False,
+        own_segment: Optional[bool] = None,
         *,
         map_fn: Optional[MapFn] = None,
         unmap_fn: Optional[MapFn] = None,
@@ -181,10 +207,11 @@ class KVCacheManager:
         engine: str = "kvcached",
         device: Optional[str] = None,
         mapper: Optional[Mapper] = None,
-        limits: Optional[LimitsFactory] = None,
+        limits: Union[LimitsFactory, None, Any] = AUTO,
         release_barrier: Union[Barrier, None, Any] = AUTO,
         empty_page_grace_s: float = EMPTY_PAGE_GRACE_S,
     ) -> None:
+        configure_logging()
         self.num_layers = _count("num_layers", num_layers)
         self.num_kv_buffers = _count("num_kv_buffers", num_kv_buffers)
         self.world_size = _count("world_size", world_size)
@@ -196,12 +223,15 @@ class KVCacheManager:
         if device is None and _C.is_initialized():
             device = _C.config()["device"]
         self._device = device
+        wants_auto_record = limits is AUTO and own_segment is None
         mapper, limits, release_barrier = build_collaborators(
             world_size=self.world_size, pp_rank=self.pp_rank, group_id=self.group_id, async_sched=self.async_sched,
-            defer_physical_release=self.defer_physical_release, own_segment=own_segment, map_fn=map_fn,
-            unmap_fn=unmap_fn, engine=engine, device=device, pool_name=pool_name, mapper=mapper, limits=limits,
-            release_barrier=release_barrier,
+            defer_physical_release=self.defer_physical_release, own_segment=bool(own_segment), map_fn=map_fn,
+            unmap_fn=unmap_fn, engine=engine, device=device, pool_name=pool_name, mapper=mapper,
+            limits=None if limits is AUTO else limits, release_barrier=release_barrier,
         )  # fmt: skip
+        if wants_auto_record and device is not None:
+            limits = auto_record(engine=engine, device=device, group_id=self.group_id)
         self.mapper = mapper
         self._local = mapper is None
         if self._local and not _C.is_initialized():
@@ -214,7 +244,10 @@ class KVCacheManager:
         if not 0 <= grace < math.inf:
             raise InvalidArgumentError(f"empty_page_grace_s must be a finite number >= 0, got {empty_page_grace_s!r}")
 
-        self.geometry = geo = BlockGeometry(num_blocks, block_size, cell_size, page_size)
+        try:
+            self.geometry = geo = BlockGeometry(num_blocks, block_size, cell_size, page_size)
+        except InvalidArgumentError as e:
+            raise KVCachedConfigError(str(e)) from None  # upstream's type for a block that cannot sit on pages
         self.num_blocks = geo.num_blocks
         self.block_size = geo.block_size
         self.cell_size = geo.cell_size
@@ -258,16 +291,26 @@ class KVCacheManager:
         self._cap_version = 0
         self._cap_pages = 0
 
-        # The name its record would have (kvcached.naming), also when it has none.
+        # The name given, else its record's (kvcached.naming), also when it has none.
         self.pool_name = pool_name or naming.group_name(naming.instance_name(engine), self.group_id)
         # The pool's record and limit enforcement (before anything is mapped).
         self.limits = None
         if limits is not None:
             self.limits = self._release.limits = limits(self.page_allocator)
-            self.pool_name = self.limits.name
+            self.pool_name = pool_name or self.limits.name
             # A lowered limit (or a peer short of budget) takes parked pages at once.
             ref = weakref.WeakMethod(self._reclaim_for_limits)
             self.limits.reclaim_unused = lambda: (ref() or int)()
+        # Upstream's revisioned limit (set_memory_limit): last revision and bytes given.
+        self._limit_lock = threading.Lock()
+        self._limit_rev = -1
+        self._limit_bytes: Optional[int] = None
+        self.integration = engine if engine in ("vllm", "sglang") else getattr(self.limits, "engine", None)
+        if self.integration not in ("vllm", "sglang"):
+            self.integration = None
+        pool_registry.register_kv_cache_pool(self, integration=self.integration)
+        if config.sanity_check():
+            self._check_after_every_change()
 
         if not self._local or _C.kv_tensors_created(self.group_id):
             with self._lock:
@@ -383,15 +426,15 @@ class KVCacheManager:
             raise
         return pids
 
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Returns block ids to the pool.
+    def free(self, indices: Iterable[int]) -> None:
+        """Returns block ids to the pool (``indices``: upstream's name).
 
         Every id must be currently allocated (by alloc) and appear once;
         otherwise InvalidArgumentError is raised and nothing changes.
         """
         with self._lock:
-            if block_ids.__class__ is list and len(block_ids) == 1:
-                b = block_ids[0]
+            if indices.__class__ is list and len(indices) == 1:
+                b = indices[0]
                 states = self._states
                 if b.__class__ is int and 0 <= b < self.num_blocks and states[b] == OUT:
                     states[b] = FREE
@@ -400,7 +443,7 @@ class KVCacheManager:
                         self._release.emptied_one(page)  # retired, parked or released
                     return
             self._check_open()
-            self._return(self._ledger.validate_free(block_ids))
+            self._return(self._ledger.validate_free(indices))
 
     def _return(self, ids: List[int]) -> None:
         """Puts ledger-freed ids back on their pages and settles emptied pages."""
@@ -694,6 +737,157 @@ class KVCacheManager:
                 offsets = set(_C.mapped_offsets(self.group_id))
                 need({pid * self.page_size for pid in index.held} <= offsets, "P3 mapped: a held page is not mapped")
 
+    # ------------------------------------------ upstream's limit and snapshot API
+
+    def set_memory_limit(self, limit_bytes: int, *, revision: int, wait_s: float = 0.5) -> Dict[str, Any]:
+        """Upstream's revisioned limit of this pool: bytes over all layers and buffers.
+
+        ``revision`` orders the writers (caller-chosen, >= 0): older than the
+        last one applied answers "stale", the same one with another limit
+        "conflict" (the same limit again is a no-op), nothing changed in both
+        cases. The limit goes where this pool's limits live: its record (as
+        ``kvctl limit`` writes it; the owner's watcher applies it, waited for up
+        to ``wait_s``) or, without one, the page allocator's cap. Pages holding
+        live blocks are released only as they are freed ("deferred" until then).
+        Returns ``memory_limit_state()`` with that status. Bad input raises
+        InvalidArgumentError (a ValueError), nothing changed.
+        """
+        limit = _non_negative("limit_bytes", limit_bytes)
+        rev = _non_negative("revision", revision)
+        with self._limit_lock:  # not the manager's lock: the limits watcher takes that one
+            self._check_open()
+            if rev < self._limit_rev:
+                return self.memory_limit_state(_status="stale")
+            if rev == self._limit_rev:
+                return self.memory_limit_state(_status=None if limit == self._limit_bytes else "conflict")
+            bundle = self.bytes_per_page
+            effective = min(limit, self.geometry.num_pages * bundle) // bundle * bundle
+            pending = False
+            if self.limits is not None:
+                written = int(self.limits.tracker.set_limit(effective))
+                deadline = time.monotonic() + max(0.0, float(wait_s))
+                while not _revision_reached(self.limits.applied_revision, written):
+                    if time.monotonic() >= deadline:
+                        pending = True
+                        break
+                    time.sleep(0.001)
+            else:
+                self.set_mem_limit(effective)
+            self._limit_rev, self._limit_bytes = rev, limit
+            return self.memory_limit_state(_status="deferred" if pending else None)
+
+    def memory_limit_state(self, *, _status: Optional[str] = None) -> Dict[str, Any]:
+        """Upstream's limit state: status ("applied", or "deferred" while more is
+        mapped than the limit allows), the limit and revision last given to
+        ``set_memory_limit`` (limit None and revision -1 before), the effective
+        limit in force (whole pages; None: no cap), mapped, remaining and
+        overage bytes, and this pool's name and group."""
+        bundle = self.bytes_per_page
+        capacity = self.geometry.num_pages * bundle
+        with self._lock:
+            mapped = 0 if self._closed else self.page_allocator.get_num_mapped_pages() * bundle
+            target = self._index.target_pages * bundle
+            cap = self.limits.limit if self.limits is not None else self.page_allocator.mem_limit()
+        effective = None if cap < 0 else min(int(cap), capacity) // bundle * bundle
+        status = _status or ("deferred" if effective is not None and mapped > effective else "applied")
+        return {
+            "status": status,
+            "pool_name": str(self.pool_name or ""),
+            "group_id": self.group_id,
+            "limit_bytes": self._limit_bytes,
+            "effective_limit_bytes": effective,
+            "current_capacity_bytes": target if effective is None else min(target, effective),
+            "revision": self._limit_rev,
+            "mapped_bytes": mapped,
+            "remaining_bytes": None if effective is None else max(0, effective - mapped),
+            "overage_bytes": 0 if effective is None else max(0, mapped - effective),
+            "reason": {
+                "deferred": "inuse_capacity_above_limit",
+                "conflict": "revision_reused_with_different_limit",
+            }.get(status, ""),
+        }
+
+    def observability_snapshot(self, *, integration: Optional[str] = None) -> Any:
+        """A read-only ``kvcached.observability.KVCachePoolSnapshot`` of this pool, taken
+        under one hold of the lock (``integration``: the tag to report)."""
+        from kvcached.observability import pool_snapshot
+
+        return pool_snapshot(self, integration=integration, **self._observability_counts())
+
+    def observability_snapshot_dict(self, *, integration: Optional[str] = None) -> Dict[str, Any]:
+        """``observability_snapshot`` as a JSON-serializable dict."""
+        return self.observability_snapshot(integration=integration).to_dict()
+
+    def _observability_counts(self) -> Dict[str, Any]:
+        with self._lock:
+            pa, index = self.page_allocator, self._index
+            total = self.geometry.num_pages
+            reserve = 0 if self._closed else pa.get_num_reserved_pages()
+            phys = None
+            if self._local and not self._closed:
+                phys = int(_C.backend_info(self._device)["free_bytes"]) // self.bytes_per_page
+            shrinking = any(pid >= index.target_pages for pid in index.held)
+            return {
+                "pages": {
+                    "total_pages": total,
+                    "free_pages": 0 if self._closed else pa.get_num_free_pages(),
+                    "inuse_pages": len(index.held),
+                    "reserved_pages": reserve,
+                    "available_physical_pages": phys,
+                },
+                "available_blocks": 0
+                if self._closed
+                else len(self._ledger.reserved) + index.nfree + index.mappable_blocks(self._mappable_pages()),
+                "allocated_blocks": index.live_blocks(),
+                "reserved_blocks": len(self._ledger.reserved),
+                "mapped_bytes": len(index.held) * self.bytes_per_page,
+                "in_shrink": shrinking,
+                "shrink_target_blocks": self._blocks_below(index.target_pages) if shrinking else None,
+                "resize_target_bytes": index.target_pages * self.page_size,
+            }
+
+    def _blocks_below(self, pages: int) -> int:
+        return sum(self._index.caps[pid] for pid in range(pages))
+
+    def _get_num_alloced_blocks(self) -> int:
+        """Blocks handed out (allocated, reserved and the null block): upstream's count."""
+        with self._lock:
+            return self._index.live_blocks()
+
+    @property
+    def reserved_blocks(self) -> List[int]:
+        """The ids set aside by ``try_to_reserve`` (a copy)."""
+        with self._lock:
+            return list(self._ledger.reserved)
+
+    @property
+    def in_shrink(self) -> bool:
+        """True while held pages lie past the resize target (they drain as blocks are freed)."""
+        with self._lock:
+            return any(pid >= self._index.target_pages for pid in self._index.held)
+
+    @property
+    def target_num_blocks(self) -> Optional[int]:
+        """Blocks within the resize target while shrinking, else None (upstream's name)."""
+        with self._lock:
+            target = self._index.target_pages
+            return self._blocks_below(target) if any(pid >= target for pid in self._index.held) else None
+
+    def _check_after_every_change(self) -> None:
+        """KVCACHED_SANITY_CHECK: wraps the state-changing calls of this instance with
+        ``check_invariants()`` (the class stays untouched: no cost when it is off)."""
+
+        def checked(fn: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                out = fn(*args, **kwargs)
+                self.check_invariants()
+                return out
+
+            return call
+
+        for name in ("alloc", "free", "try_to_reserve", "free_reserved", "resize", "trim", "clear"):
+            setattr(self, name, checked(getattr(self, name)))
+
     # -------------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
@@ -703,6 +897,7 @@ class KVCacheManager:
         Blocks still allocated are dropped (their tensors read the zero page).
         Later calls raise ShutdownError, except shutdown() itself.
         """
+        pool_registry.unregister_kv_cache_pool(self)
         with self._lock:
             if self._closed:
                 return

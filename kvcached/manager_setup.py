@@ -95,6 +95,36 @@ def limits_factory(
     )
 
 
+# Upstream's default segment name probes ``<name>_1`` .. ``<name>_99`` when taken.
+_AUTO_SUFFIXES = 99
+
+
+def auto_record(*, engine: str, device: str, group_id: int, budget: Any = None) -> LimitsFactory:
+    """``limits=`` of a manager whose caller did not choose (upstream's always-present
+    record): named for the instance (``kvcached.naming``), or upstream's
+    ``<name>_<k>`` when a live process holds that name; ``budget``: None (outside
+    any device budget) or ``"env"`` (the device budget, as the engines' pools)."""
+    from kvcached.errors import InvalidArgumentError as Invalid
+    from kvcached.limits import InstanceLimits
+    from kvcached.naming import instance_name
+
+    base = instance_name(engine)
+
+    def make(pa: Any) -> Any:
+        for k in range(_AUTO_SUFFIXES + 1):
+            candidate = base if k == 0 else f"{base}_{k}"
+            try:
+                return InstanceLimits.for_page_allocator(
+                    pa, engine=engine, device=device, name=candidate, group_id=group_id, budget=budget
+                )
+            except Invalid as e:
+                if "belongs to live process" not in str(e) or k == _AUTO_SUFFIXES:
+                    raise
+        raise AssertionError("unreachable")
+
+    return make
+
+
 def build_collaborators(
     *,
     world_size: int,

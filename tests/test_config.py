@@ -239,8 +239,11 @@ def test_floats_and_sizes(monkeypatch):
     monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "lots")
     with pytest.raises(ValueError, match="KVCACHED_HOST_MEMORY_BUDGET"):
         config.host_memory_budget()
-    monkeypatch.setenv("KVCACHED_IPC_TIMEOUT", "0")
-    with pytest.raises(ValueError, match="must be > 0 seconds"):
+    for off in ("0", "-1"):  # upstream's "no timeout": the longest bound, never forever
+        monkeypatch.setenv("KVCACHED_IPC_TIMEOUT", off)
+        assert config.ipc_timeout_s() == config.NO_TIMEOUT_CAP_S
+    monkeypatch.setenv("KVCACHED_IPC_TIMEOUT", "inf")
+    with pytest.raises(ValueError, match="finite"):
         config.ipc_timeout_s()
     monkeypatch.setenv("KVCACHED_IPC_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="is not a number of seconds"):
@@ -250,6 +253,35 @@ def test_floats_and_sizes(monkeypatch):
         config.ipc_spin_us()
     monkeypatch.setenv("KVCACHED_IPC_SPIN_US", "0")
     assert config.ipc_spin_us() == 0.0
+
+
+def test_upstream_spellings(monkeypatch):
+    for v in config.VARIABLES:
+        monkeypatch.delenv(v.name, raising=False)
+    assert (config.sanity_check(), config.max_cached_blocks(), config.log_level()) == (False, 1000, None)
+    assert config.log_color() is True and config.log_color_code() == "\033[36m"
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE_MB", "4")
+    assert config.page_size() == 4 << 20
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(4 << 20))  # both, agreeing
+    assert config.page_size() == 4 << 20
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(2 << 20))
+    with pytest.raises(ValueError, match="disagree; unset one"):
+        config.page_size()
+    monkeypatch.delenv("KVCACHED_PAGE_SIZE")
+    for bad in ("0", "-2", "2.5"):
+        monkeypatch.setenv("KVCACHED_PAGE_SIZE_MB", bad)
+        with pytest.raises(ValueError, match="KVCACHED_PAGE_SIZE_MB"):
+            config.page_size()
+    monkeypatch.setenv("KVCACHED_NIXL_CONTIGUOUS_LAYOUT", "true")
+    assert config.contiguous_layout() is True
+    monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "false")  # ours wins
+    assert config.contiguous_layout() is False
+    monkeypatch.setenv("KVCACHED_SANITY_CHECK", "true")
+    monkeypatch.setenv("KVCACHED_LOG_LEVEL", "debug")
+    assert config.sanity_check() is True and config.log_level() == "DEBUG"
+    monkeypatch.setenv("KVCACHED_LOG_LEVEL", "LOUD")
+    with pytest.raises(ValueError, match="KVCACHED_LOG_LEVEL='LOUD' is not a level"):
+        config.log_level()
 
 
 def test_ipc_settings_read_the_table(monkeypatch):

@@ -268,3 +268,158 @@ def test_shutdown_stops_every_manager(env):
     with pytest.raises(ShutdownError):
         m.free(ids)
     si.shutdown_kvcached()  # idempotent
+
+
+# ------------------------------------------------ upstream's newer arguments
+
+
+def raw_offset(t: torch.Tensor, group_id: int = 0) -> int:
+    """Byte offset of a tensor's first element in the group's raw range (its layer's, per layer)."""
+    layer, kv, page = page_of_address(t.data_ptr(), group_id)
+    raws = [torch.utils.dlpack.from_dlpack(c) for c in _C.raw_kv_tensors(group_id)]
+    return t.data_ptr() - raws[max(layer, 0)].data_ptr()
+
+
+@pytest.mark.parametrize("form", ["flash_attn", "flashinfer", "mla"])
+def test_vllm_kernel_blocks_index_the_same_bytes(env, contiguous, form, page_size):
+    device = env
+    vi.init_kvcached(device=device)
+    bs, kbs, heads, dim = 16, 4, 2, 32
+    blocks = 2 * page_size // (bs * heads * dim * 2)
+    shape = {
+        "flash_attn": (2, blocks, bs, heads, dim),
+        "flashinfer": (blocks, 2, bs, heads, dim),
+        "mla": (blocks, bs, dim),
+    }[form]
+    atype = "MLA" if form == "mla" else "MHA"
+    if contiguous:
+        with pytest.raises(InvalidArgumentError, match="KVCACHED_CONTIGUOUS_LAYOUT=false"):
+            vi.alloc_kv_cache(shape, bs, torch.float16, device, LAYERS, atype, kernel_block_size=kbs)
+        return
+    with pytest.raises(InvalidArgumentError, match="multiple of kernel_block_size"):
+        vi.alloc_kv_cache(shape, bs, torch.float16, device, LAYERS, atype, kernel_block_size=5)
+    caches = vi.alloc_kv_cache(shape, bs, torch.float16, device, LAYERS, atype, "NHD", 0, kbs)  # upstream's order
+    r = bs // kbs
+    kernel = {"flash_attn": (2, blocks * r, kbs, heads, dim), "flashinfer": (blocks * r, 2, kbs, heads, dim)}
+    assert tuple(caches[0].shape) == kernel.get(form, (blocks * r, kbs, dim))
+    cell = (heads * dim if form != "mla" else dim) * 2
+    m = vi.get_kv_cache_manager(blocks, bs, cell, LAYERS)  # K and V apart: num_kv_buffers from the tensors
+    assert m.num_kv_buffers == (1 if form == "mla" else 2)
+    ids = m.alloc(5)
+    for c in caches:
+        for b in ids:
+            for j in range(r):  # kernel block b*r+j is tokens j*kbs.. of block b
+                kb = b * r + j
+                views = [c[kb]] if form == "mla" else ([c[0, kb], c[1, kb]] if form == "flash_attn" else list(c[kb]))
+                for kv, v in enumerate(views):
+                    assert_block_on_one_page(v, m.get_page_id(b))
+                    assert (
+                        raw_offset(v)
+                        == kv * _C.group_info(0)["buffer_size"] * (form != "mla") + (b * bs + j * kbs) * cell
+                    )
+                    v.fill_(kv + 1)
+                    assert float(v.float().mean()) == kv + 1  # mapped: the write stays
+    m.free(ids)
+
+
+@pytest.mark.parametrize("form", ["flash_attn", "flashinfer"])
+def test_vllm_hybrid_linear_interleaves_k_and_v_per_kernel_block(env, contiguous, form, page_size):
+    device = env
+    vi.init_kvcached(device=device)
+    bs, kbs, heads, dim = 16, 8, 2, 32
+    blocks = 2 * page_size // (2 * bs * heads * dim * 2)
+    shape = (2, blocks, bs, heads, dim) if form == "flash_attn" else (blocks, 2, bs, heads, dim)
+    caches, info = vi.alloc_kv_cache(shape, bs, torch.float16, device, LAYERS, "HYBRID_LINEAR", kernel_block_size=kbs)
+    h = kbs * heads * dim * 2  # bytes of one kernel block of K (or V)
+    blk = 2 * bs * heads * dim * 2
+    assert info["page_size_bytes"] == blk and info["num_blocks"] == blocks and info["num_pools"] == LAYERS
+    assert info["is_contiguous"] is contiguous
+    assert info["block_stride_bytes"] == (LAYERS * blk if contiguous else blk)
+    m = vi.get_kv_cache_manager(blocks, bs, 2 * heads * dim * 2, LAYERS, 1)  # upstream: 5th positional is kv buffers
+    assert m.num_kv_buffers == 1
+    ids = m.alloc(3)
+    for layer, c in enumerate(caches):
+        for b in ids:
+            for j in range(bs // kbs):
+                kb = b * (bs // kbs) + j
+                k, v = (c[0, kb], c[1, kb]) if form == "flash_attn" else (c[kb, 0], c[kb, 1])
+                assert raw_offset(v) - raw_offset(k) == h  # V right after K
+                assert_block_on_one_page(k, m.get_page_id(b))
+                assert_block_on_one_page(v, m.get_page_id(b))
+                k.fill_(1 + layer)
+                v.fill_(2 + layer)
+            if not contiguous:  # the mamba view of the block: the pool's buffer at the block stride
+                raw = info["buffers"][layer][b * blk : (b + 1) * blk].view(torch.float16)
+                assert float(raw[: h // 2].float().mean()) == 1 + layer
+                assert float(raw[h // 2 : h].float().mean()) == 2 + layer
+    if contiguous:  # one block of every pool: the same bytes as the attention views of all layers
+        per_kernel = h // 2  # elements of one kernel block of K
+        expect = sum((1 + i + 2 + i) * per_kernel * (bs // kbs) for i in range(LAYERS))
+        for b in ids:
+            raw = info["buffers"][0][b * info["block_stride_bytes"] : (b + 1) * info["block_stride_bytes"]]
+            assert float(raw.view(torch.float16).float().sum()) == expect
+    m.free(ids)
+
+
+def test_vllm_return_meta_and_build_kv_views_alias_the_same_memory(env, contiguous):
+    device = env
+    vi.init_kvcached(device=device)
+    blocks, bs, heads, dim = 64, 16, 2, 32
+    caches, meta = vi.alloc_kv_cache((2, blocks, bs, heads, dim), bs, torch.float16, device, LAYERS, return_meta=True)
+    assert set(meta) == {
+        "raw_kv_tensors",
+        "num_blocks_per_layer",
+        "gpu_mem_bytes_per_layer_k_or_v",
+        "num_layers",
+        "dtype",
+    }
+    # A second group (Gemma-style): another head split over the same block bytes.
+    views, block_bytes = vi.build_kv_views(
+        meta["raw_kv_tensors"], (2, blocks, bs, heads * 2, dim // 2), bs, torch.float16, "MHA",
+        meta["num_blocks_per_layer"], meta["gpu_mem_bytes_per_layer_k_or_v"], meta["num_layers"],
+    )  # fmt: skip
+    assert block_bytes == 2 * bs * heads * dim * 2 and len(views) == LAYERS
+    m = vi.get_kv_cache_manager(blocks, bs, heads * dim * 2, LAYERS)
+    ids = m.alloc(4)
+    for c, w in zip(caches, views):
+        for b in ids:
+            c[:, b] = float(b)
+            assert byte_span(c[0, b]) == byte_span(w[0, b]) and byte_span(c[1, b]) == byte_span(w[1, b])
+            assert float(w[1, b].float().mean()) == float(b)
+    m.free(ids)
+
+
+def test_sglang_upstream_positions_and_mamba_states(env, contiguous, page_size):
+    device = env
+    si.init_kvcached(0, 1, 0, device)  # upstream: (tp_rank, world_size, pp_rank, device)
+    assert si.observability_snapshot().to_dict()["initialized"] is True
+    conv_shapes, temporal = [(4, 8), (2, 8)], (2, 4, 4)
+
+    class Params:  # SGLang's Mamba2CacheParams shape
+        shape = type("S", (), {"conv": conv_shapes, "temporal": temporal})
+        dtype = type("D", (), {"conv": torch.float16, "temporal": torch.float32})
+
+    slots, layers = 64, 3
+    conv, temp, info = si.alloc_mamba_states(
+        num_slots=slots, num_mamba_layers=layers, cache_params=Params, device=device
+    )
+    raw = 4 * 8 * 2 + 2 * 8 * 2 + 2 * 4 * 4 * 4  # 352 bytes, padded to a divisor of the page
+    assert info["cell_size"] >= raw and page_size % info["cell_size"] == 0
+    assert info["conv_offsets"] == [0, 64] and info["temporal_offset"] == 96
+    if contiguous:
+        assert tuple(conv[0].shape) == (layers, slots, 4, 8) and tuple(temp.shape) == (layers, slots, *temporal)
+        per_layer = lambda st, i: st[i]  # noqa: E731
+    else:
+        assert tuple(conv[0][0].shape) == (slots, 4, 8) and tuple(temp[0].shape) == (slots, *temporal)
+        per_layer = lambda st, i: st[i]  # noqa: E731
+    m = si.get_kv_cache_manager(slots, 1, info["cell_size"], layers, True, 1)  # 6th positional: kv buffers
+    ids = m.alloc(5)
+    for i in range(layers):
+        for s in ids:
+            assert_block_on_one_page(per_layer(temp, i)[s], m.get_page_id(s))
+            per_layer(temp, i)[s] = float(i + 1)
+            per_layer(conv[1], i)[s] = -1.0
+    assert float(per_layer(temp, layers - 1)[ids[0]].mean()) == layers
+    assert float(per_layer(conv[1], 0)[ids[-1]].float().mean()) == -1.0
+    assert float(per_layer(conv[0], 0)[ids[0]].float().abs().sum()) == 0.0  # other kinds untouched
+    m.free(ids)

@@ -4,7 +4,7 @@ Every SGLang TP worker owns its pool, its KV buffers and its manager, so the
 manager maps in its own process (world_size 1 for the ledger), whatever the
 engine's TP size::
 
-    init_kvcached(tp_rank, tp_size, is_worker=True, device="cuda:0")   # or "cpu"
+    init_kvcached(tp_rank, tp_size, pp_rank, device="cuda:0")   # or "cpu"
     k_buffers, v_buffers = alloc_kv_cache((size + page_size, heads, head_dim),
                                           dtype, device, num_layers, page_size)
     manager = get_kv_cache_manager(num_blocks=(size + page_size) // page_size,
@@ -15,14 +15,21 @@ engine's TP size::
 A manager block is one SGLang page (``page_size`` tokens; one token when
 page_size is 1); token ``t`` of block ``b`` is row ``b * page_size + t`` of
 the buffers. Block 0 is held as SGLang's padding slot.
+
+Every parameter keeps upstream's position and default (docs/COMPAT.md lists
+where ours differ and why); what we add is keyword-only.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from kvcached import observability, pool_registry
+from kvcached.compat import snapshots
 from kvcached.integration import kv_views, runtime
 from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.manager_setup import auto_record
+from kvcached.utils import configure_logging
 
 ENGINE = "sglang"
 
@@ -30,17 +37,20 @@ ENGINE = "sglang"
 def init_kvcached(
     tp_rank: int = 0,
     world_size: int = 1,
-    is_worker: bool = True,
+    pp_rank: int = 0,
     device: Optional[str] = None,
     async_sched: bool = False,
-    pp_rank: int = 0,
     *,
+    is_worker: bool = True,
     tp_size: Optional[int] = None,
 ) -> None:
     """Initializes kvcached in this SGLang worker process (idempotent).
 
-    The TP size is recorded only: SGLang's ranks never map for each other.
+    The TP size is recorded only: SGLang's ranks never map for each other
+    (upstream starts a TP listener; ours needs none). ``is_worker`` is
+    accepted for older callers: every SGLang rank is its own worker.
     """
+    configure_logging()
     if tp_size is not None:
         world_size = tp_size
     world_size = int(world_size)
@@ -54,6 +64,7 @@ def init_kvcached(
 def shutdown_kvcached() -> None:
     """Shuts down the managers made here and the data plane."""
     runtime.shutdown()
+    pool_registry.clear_registered_kv_cache_pools(integration=ENGINE)
 
 
 def alloc_kv_cache(
@@ -89,14 +100,21 @@ def get_kv_cache_manager(
     cell_size: int,
     num_layers: int,
     reserve_null_block: bool = True,
-    *,
     num_kv_buffers: Optional[int] = None,
     group_id: int = 0,
     pool_name: Optional[str] = None,
-    own_segment: bool = False,
+    *,
+    own_segment: Optional[bool] = None,
 ) -> KVCacheManager:
-    """The manager of this rank's pool: blocks are SGLang pages of ``block_size`` tokens."""
-    runtime.require(ENGINE)
+    """The manager of this rank's pool: blocks are SGLang pages of ``block_size`` tokens.
+
+    ``num_kv_buffers`` defaults to the group's tensors (upstream's 2 if none
+    were created here). The record: as vLLM's ``get_kv_cache_manager``.
+    """
+    st = runtime.require(ENGINE)
+    kw: Dict[str, Any] = {}
+    if own_segment is None:
+        kw["limits"] = auto_record(engine=ENGINE, device=st.device, group_id=int(group_id), budget="env")
     return runtime.make_manager(
         num_blocks,
         block_size,
@@ -107,5 +125,44 @@ def get_kv_cache_manager(
         group_id,
         1,
         pool_name=pool_name,
-        own_segment=own_segment,
+        own_segment=bool(own_segment),
+        **kw,
     )
+
+
+def alloc_mamba_states(
+    *,
+    num_slots: int,
+    num_mamba_layers: int,
+    cache_params: Any,
+    device: str,
+    group_id: int = 0,
+) -> Tuple[Any, Any, Dict[str, Any]]:
+    """Mamba conv and temporal state tensors over kvcached pages (one slot = one block);
+    see ``kvcached.compat.sglang_mamba``. Returns (conv_state, temporal_state, layout_info)."""
+    from kvcached.compat import sglang_mamba
+
+    runtime.require(ENGINE)
+    if str(device).startswith("cuda") and ":" not in str(device):
+        device = runtime.state().device
+    cell, conv, temporal, info = sglang_mamba.alloc(num_slots, num_mamba_layers, cache_params, device, group_id)
+    runtime.record_geometry(group_id, runtime.GroupGeometry(int(num_mamba_layers), 1, cell, int(num_slots), "tensors"))
+    return conv, temporal, info
+
+
+def observability_snapshot() -> observability.RuntimeSnapshot:
+    """A read-only snapshot of this process's SGLang integration state."""
+    return snapshots.runtime_snapshot(ENGINE)
+
+
+def observability_snapshot_dict() -> Dict[str, Any]:
+    return observability_snapshot().to_dict()
+
+
+def kv_cache_pool_snapshots() -> List[observability.KVCachePoolSnapshot]:
+    """Read-only snapshots of the live SGLang KV pools of this process."""
+    return observability.get_registered_kv_cache_pool_snapshots(integration=ENGINE)
+
+
+def kv_cache_pool_snapshot_dicts() -> List[Dict[str, Any]]:
+    return observability.get_registered_kv_cache_pool_snapshot_dicts(integration=ENGINE)

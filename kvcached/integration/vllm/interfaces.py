@@ -1,8 +1,11 @@
-"""The upstream kvcached API for vLLM: init, KV tensors, block manager, shutdown.
+"""The upstream kvcached API for vLLM: init, KV tensors, block manager, snapshots, shutdown.
+
+Every parameter keeps upstream's position and default (docs/COMPAT.md lists
+where ours differ and why); what we add is keyword-only.
 
 Worker process::
 
-    init_kvcached(tp_rank, world_size, is_worker=True)       # device: cuda:N, or cpu
+    init_kvcached(tp_rank, world_size, pp_rank, is_worker=True)   # device: cuda:N, or cpu
     caches = alloc_kv_cache((2, num_blocks, block_size, heads, head_dim),
                             block_size, dtype, device, num_layers)
 
@@ -15,15 +18,20 @@ Scheduler process (the same process when the worker runs in it)::
 (``heads * head_dim * itemsize``), or in the single buffer for MLA and the
 FlashInfer layout (``2 * heads * head_dim * itemsize`` there, with
 ``num_kv_buffers=1``). With ``device="cpu"`` everything runs on the host
-backend.
+backend. The manager gets a record (``kvctl list``) in the device budget
+unless ``own_segment=False``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from kvcached import observability, pool_registry
+from kvcached.compat import snapshots, vllm_kv
 from kvcached.integration import kv_views, runtime
 from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.manager_setup import auto_record
+from kvcached.utils import configure_logging
 
 ENGINE = "vllm"
 
@@ -31,18 +39,19 @@ ENGINE = "vllm"
 def init_kvcached(
     tp_rank: int = 0,
     world_size: int = 1,
+    pp_rank: int = 0,
     is_worker: bool = False,
     device: Optional[str] = None,
     async_sched: bool = False,
-    pp_rank: int = 0,
     *,
     tp_size: Optional[int] = None,
 ) -> None:
-    """Initializes kvcached in this vLLM process (idempotent).
+    """Initializes kvcached in this vLLM process (idempotent for the same device).
 
     ``tp_size`` is the older upstream name of ``world_size``. ``device``
     defaults to the current CUDA device, or "cpu" without one.
     """
+    configure_logging()
     if tp_size is not None:
         world_size = tp_size
     runtime.init(ENGINE, int(tp_rank), int(world_size), bool(is_worker), device, bool(async_sched), int(pp_rank))
@@ -51,18 +60,32 @@ def init_kvcached(
 def shutdown_kvcached() -> None:
     """Shuts down the managers made here, the worker listener and the data plane."""
     runtime.shutdown()
+    pool_registry.clear_registered_kv_cache_pools(integration=ENGINE)
+
+
+def should_use_worker_ipc() -> bool:
+    """True in a scheduler that maps through worker processes (upstream's name)."""
+    st = runtime.state()
+    return st.engine == ENGINE and st.device is not None and not st.is_worker
+
+
+def get_world_size() -> int:
+    """The world size given to init_kvcached; raises ShutdownError before it."""
+    return runtime.require(ENGINE).world_size
 
 
 def alloc_kv_cache(
     kvcache_shape: Sequence[int],
     block_size: int,
-    dtype,
+    dtype: Any,
     device: str,
     num_layers: int,
     attention_type: str = "MHA",
     kv_layout: str = "NHD",
     group_id: int = 0,
-) -> List[object]:
+    kernel_block_size: Optional[int] = None,
+    return_meta: bool = False,
+) -> Any:
     """Creates the KV tensors of one KV group; returns one tensor per layer.
 
     ``kvcache_shape`` is the attention backend's logical shape:
@@ -70,15 +93,55 @@ def alloc_kv_cache(
     (num_blocks, 2, block_size, heads, head_dim) (FlashInfer), or
     (num_blocks, block_size, head_dim) with attention_type="MLA". Memory is
     mapped only where the manager hands out blocks; the rest reads zeros.
-    Raises InvalidArgumentError for shapes, layouts or block sizes that
-    cannot sit on kvcached pages, naming one that can.
+
+    Upstream's additions (``kvcached.compat.vllm_kv``): ``kernel_block_size``
+    gives views indexed by kernel block; ``attention_type="HYBRID_LINEAR"``
+    returns ``(views, raw_info)`` with K and V interleaved per kernel block
+    in one buffer (manager: ``num_kv_buffers=1``); ``return_meta`` appends the
+    dict ``build_kv_views`` needs. Raises InvalidArgumentError for shapes,
+    layouts or block sizes that cannot sit on kvcached pages, naming one that can.
     """
     runtime.require(ENGINE)
-    tensors, kv, block_bytes, num_blocks = kv_views.vllm_views(
-        kvcache_shape, block_size, dtype, device, num_layers, attention_type, kv_layout, group_id
-    )
+    shp = vllm_kv.Shape(kvcache_shape, block_size, attention_type)
+    info = None
+    if shp.atype == vllm_kv.HYBRID or shp.ratio(kernel_block_size) > 1 or return_meta:
+        tensors, kv, block_bytes, num_blocks, info = vllm_kv.alloc(
+            kvcache_shape, block_size, dtype, device, num_layers, attention_type, kv_layout, group_id, kernel_block_size
+        )
+    else:
+        tensors, kv, block_bytes, num_blocks = kv_views.vllm_views(
+            kvcache_shape, block_size, dtype, device, num_layers, attention_type, kv_layout, group_id
+        )
     runtime.record_geometry(group_id, runtime.GroupGeometry(int(num_layers), kv, block_bytes, num_blocks, "tensors"))
-    return tensors
+    out: Tuple[Any, ...] = (tensors,) + (() if info is None else (info,))
+    if return_meta:
+        out += (vllm_kv.meta(group_id, num_blocks, int(num_layers), dtype),)
+    return out[0] if len(out) == 1 else out
+
+
+def build_kv_views(
+    raw_kv_tensors: List[Any],
+    kvcache_shape: Tuple[int, ...],
+    block_size: int,
+    dtype: Any,
+    attention_type: str,
+    num_blocks_per_layer: int,
+    gpu_mem_bytes_per_layer_k_or_v: int,
+    num_layers: int,
+    kernel_block_size: Optional[int] = None,
+) -> Tuple[List[Any], int]:
+    """Views of another KV group over memory made by ``alloc_kv_cache(..., return_meta=True)``
+    (pass its meta's fields); returns ``(views, bytes of one block over every K/V buffer)``."""
+    from kvcached import _C
+
+    shp = vllm_kv.Shape(kvcache_shape, block_size, attention_type)
+    ratio = shp.ratio(kernel_block_size)
+    contiguous = bool(_C.config()["contiguous_layout"])
+    views = vllm_kv.views(
+        raw_kv_tensors, shp, ratio, dtype, num_blocks_per_layer, gpu_mem_bytes_per_layer_k_or_v, num_layers, contiguous
+    )
+    kv = 1 if shp.form == "mla" else 2
+    return views, kv * shp.block_size * shp.token_elems * kv_views._itemsize(dtype)
 
 
 def get_kv_cache_manager(
@@ -86,13 +149,13 @@ def get_kv_cache_manager(
     block_size: int,
     cell_size: int,
     num_layers: int,
-    reserve_null_block: bool = True,
-    *,
     num_kv_buffers: Optional[int] = None,
     group_id: int = 0,
-    defer_physical_release: bool = False,
     pool_name: Optional[str] = None,
-    own_segment: bool = False,
+    *,
+    reserve_null_block: bool = True,
+    defer_physical_release: bool = False,
+    own_segment: Optional[bool] = None,
     map_fn: Optional[Callable[[List[int]], None]] = None,
     unmap_fn: Optional[Callable[[List[int]], None]] = None,
 ) -> KVCacheManager:
@@ -100,11 +163,17 @@ def get_kv_cache_manager(
 
     Block 0 is vLLM's null block and is held by the manager
     (``reserve_null_block``). ``num_kv_buffers`` defaults to the group's
-    tensors (2 if none were created in this process). ``map_fn``/``unmap_fn``
-    map in worker processes (default: the fan-out when world_size > 1, else
-    this process).
+    tensors (upstream's 2 if none were created in this process).
+    ``pool_name`` is upstream's label of the pool. The record: by default one
+    named for the instance (``kvctl list``; upstream's ``_<k>`` suffix when
+    taken) in the device budget; ``own_segment=True`` names it ``pool_name``;
+    False: none. ``map_fn``/``unmap_fn`` map in worker processes (default: the
+    fan-out when world_size > 1, else this process).
     """
     st = runtime.require(ENGINE)
+    kw: Dict[str, Any] = {}
+    if own_segment is None:
+        kw["limits"] = auto_record(engine=ENGINE, device=st.device, group_id=int(group_id), budget="env")
     return runtime.make_manager(
         num_blocks,
         block_size,
@@ -116,7 +185,26 @@ def get_kv_cache_manager(
         st.world_size,
         defer_physical_release=defer_physical_release,
         pool_name=pool_name,
-        own_segment=own_segment,
+        own_segment=bool(own_segment),
         map_fn=map_fn,
         unmap_fn=unmap_fn,
+        **kw,
     )
+
+
+def observability_snapshot() -> observability.RuntimeSnapshot:
+    """A read-only snapshot of this process's vLLM integration state."""
+    return snapshots.runtime_snapshot(ENGINE)
+
+
+def observability_snapshot_dict() -> Dict[str, Any]:
+    return observability_snapshot().to_dict()
+
+
+def kv_cache_pool_snapshots() -> List[observability.KVCachePoolSnapshot]:
+    """Read-only snapshots of the live vLLM KV pools of this process."""
+    return observability.get_registered_kv_cache_pool_snapshots(integration=ENGINE)
+
+
+def kv_cache_pool_snapshot_dicts() -> List[Dict[str, Any]]:
+    return observability.get_registered_kv_cache_pool_snapshot_dicts(integration=ENGINE)
