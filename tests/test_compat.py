@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from kvcached import _C, config, control, observability, pool_registry, tp_ipc_util, utils
+from kvcached import config, control, observability, pool_registry, tp_ipc_util, utils
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.integration.sglang import interfaces as si
 from kvcached.integration.vllm import interfaces as vi
