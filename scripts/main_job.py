@@ -26,9 +26,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Tuple
 
-from kvcached.limits.records import read_record
 from kvcached.limits.units import format_size, parse_size
 from kvcached.testing import vllm_server as vs
+from kvcached.testing.record_sampler import RecordSampler
 from kvcached.testing.tiny_model import build_tiny_llama
 
 PAGE = 128 << 10  # small pages so the tiny model's load moves many of them
@@ -46,32 +46,6 @@ def kvctl_list(title: str) -> None:
     print(f"\n--- kvctl list: {title}\n{out.stdout.rstrip() or out.stderr.rstrip()}\n", flush=True)
 
 
-class Recorder(threading.Thread):
-    """Samples (time, mapped bytes) of each instance record."""
-
-    def __init__(self, names: List[str], period: float = 0.05) -> None:
-        super().__init__(daemon=True)
-        self.names = names
-        self.period = period
-        self.t0 = time.monotonic()
-        self.series: Dict[str, List[Tuple[float, int, int]]] = {n: [] for n in names}
-        self.stop_evt = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop_evt.is_set():
-            t = time.monotonic() - self.t0
-            for n in self.names:
-                try:
-                    r = read_record(n)
-                    self.series[n].append((t, r.used + r.prealloc, r.limit))
-                except Exception:
-                    pass
-            self.stop_evt.wait(self.period)
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-
 def drive(srv: vs.Server, n: int, concurrency: int, prompt_len: int, max_tokens: int, seed: int) -> Tuple[int, float]:
     prompts = vs.token_prompts(n, prompt_len, seed)
     t0 = time.monotonic()
@@ -80,7 +54,9 @@ def drive(srv: vs.Server, n: int, concurrency: int, prompt_len: int, max_tokens:
     return sum(len(o) for o in outs), time.monotonic() - t0
 
 
-def plot(rec: Recorder, phases: List[Tuple[str, float, float]], budget: int, out: str, labels: Dict[str, str]) -> None:
+def plot(
+    rec: RecordSampler, phases: List[Tuple[str, float, float]], budget: int, out: str, labels: Dict[str, str]
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +144,7 @@ def main(argv: List[str] = None) -> int:
             log(f"server {names[s.name]} is up after {time.monotonic() - t_start:.0f} s")
         kvctl_list("both engines idle (only the null block's page is mapped)")
 
-        rec = Recorder(list(names))
+        rec = RecordSampler(list(names))
         rec.start()
         time.sleep(2)
         phases = []
@@ -186,8 +162,7 @@ def main(argv: List[str] = None) -> int:
             log(f"load at {label}: {a.requests} requests, {toks} tokens in {dt:.1f} s")
             time.sleep(3)
             kvctl_list(f"after the load at {label}")
-        rec.stop_evt.set()
-        rec.join()
+        rec.stop()
 
         peaks = {names[n]: max((p[1] for p in pts), default=0) for n, pts in rec.series.items()}
         plot(rec, phases, budget, a.out, names)

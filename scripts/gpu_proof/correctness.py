@@ -1,0 +1,223 @@
+"""Step 1 of the GPU proof: greedy tokens of vLLM with kvcached equal vLLM's own.
+
+    python scripts/gpu_proof/correctness.py --model DIR --out DIR [--prompts 300] [--cpu]
+
+Four offline engines run side by side on one device (``LLM`` in child
+processes; vLLM's defaults: CUDA graphs, async scheduling, prefix caching):
+
+* ``native`` and ``kvcached``: the same explicit KV capacity, so the
+  scheduler makes the same decisions and the tokens must be identical;
+* ``native-bi`` and ``kvcached-limit``: vLLM's batch-invariant mode on both
+  (each sequence's numbers then do not depend on what else is in the batch),
+  and a kvcached limit so small that preemption and prefix-cache eviction run
+  all the time. This is the release-fence test: a page unmapped while a kernel
+  still reads it shows up as a different token or an illegal address.
+
+Prompts: groups sharing prefixes, mixed lengths, outputs up to past 2,000
+tokens for some. Prints a table; exits 1 when any pair differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from typing import Dict, List, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import engine_env, kvctl, log, write_json  # noqa: E402
+
+
+def make_prompts(n: int, vocab: int, cpu: bool, seed: int = 7) -> Tuple[List[List[int]], List[int]]:
+    """``n`` prompts in groups of shared prefixes, and their output lengths."""
+    rng = random.Random(seed)
+    lo = 7  # ids below are special tokens of the word-level tokenizer
+    scale = 8 if cpu else 1  # the tiny CPU model has 512 positions
+    prefixes = [
+        [1] + [rng.randrange(lo, vocab) for _ in range(rng.choice((32, 128, 512, 1024)) // scale)]
+        for _ in range(max(1, n // 8))
+    ]
+    prompts, outs = [], []
+    for i in range(n):
+        pre = prefixes[i % len(prefixes)]
+        suffix = [rng.randrange(lo, vocab) for _ in range(rng.randrange(8, 512) // scale)]
+        prompts.append(pre + suffix)
+        long_out = i % 10 == 3  # one in ten goes past 2,000 tokens
+        outs.append((rng.randrange(2048, 2400) if long_out else rng.randrange(16, 600)) // scale)
+    return prompts, outs
+
+
+def child(a: argparse.Namespace) -> int:
+    """One engine: generate, then write tokens and the engine's counters."""
+    from vllm import LLM, SamplingParams
+
+    with open(a.prompts_file) as f:
+        spec = json.load(f)
+    kw = dict(
+        model=a.model,
+        dtype="float32" if a.cpu else "bfloat16",
+        max_model_len=a.max_model_len,
+        kv_cache_memory_bytes=a.kv_bytes,
+        seed=0,
+        disable_log_stats=False,
+    )
+    if a.cpu:
+        kw["enforce_eager"] = True
+    else:
+        kw["gpu_memory_utilization"] = 0.2  # only the start-up check reads it: four engines share the device
+    llm = LLM(**kw)
+    if a.limit:
+        log(f"{a.label}: kvctl limit {a.name} {a.limit}")
+        kvctl("limit", a.name, a.limit)
+    sampler = None
+    if os.environ.get("ENABLE_KVCACHED"):
+        from kvcached.testing.record_sampler import RecordSampler
+
+        sampler = RecordSampler([a.name], period=0.05)
+        sampler.start()
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in spec["outs"]]
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.monotonic() - t0
+    counters: Dict[str, float] = {}
+    try:
+        for m in llm.get_metrics():
+            if m.name in ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"):
+                counters[m.name] = counters.get(m.name, 0) + float(getattr(m, "value", 0) or 0)
+    except Exception as e:  # counters are reported, not required
+        counters["error"] = repr(e)  # type: ignore[assignment]
+    if sampler is not None:
+        sampler.stop()
+        pts = sampler.series[a.name]
+        counters["kvcached_peak_mapped"] = sampler.peak(a.name)
+        counters["kvcached_limit"] = pts[-1].limit if pts else 0
+    write_json(a.out, {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": dt, "counters": counters})
+    return 0
+
+
+def compare(x: List[List[int]], y: List[List[int]]) -> Tuple[int, str]:
+    """(number of sequences that differ, where the first one differs)."""
+    bad = [i for i, (p, q) in enumerate(zip(x, y)) if p != q]
+    if len(x) != len(y):
+        return max(len(x), len(y)), f"{len(x)} vs {len(y)} sequences"
+    if not bad:
+        return 0, ""
+    i = bad[0]
+    j = next((k for k, (p, q) in enumerate(zip(x[i], y[i])) if p != q), min(len(x[i]), len(y[i])))
+    return len(bad), f"first: sequence {i} at token {j} of {len(x[i])}"
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True, help="folder for tokens, counters and logs")
+    ap.add_argument("--prompts", type=int, default=300)
+    ap.add_argument("--kv", default=None, help="KV capacity of every engine (default 12G; --cpu 256M)")
+    ap.add_argument("--limit", default=None, help="kvcached limit of the limited engine (default 4G; --cpu 24M)")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--cpu", action="store_true", help="dry run on vLLM-CPU with the tiny model")
+    ap.add_argument("--only", default=None, help="comma list of engines to run (default all four)")
+    sub = ap.add_subparsers(dest="cmd")
+    c = sub.add_parser("child")
+    for k in ("--prompts-file", "--label", "--name"):
+        c.add_argument(k, required=True)
+    c.add_argument("--kv-bytes", type=int, required=True)
+    c.add_argument("--child-limit", dest="child_limit", default=None)
+    a = ap.parse_args(argv)
+    a.max_model_len = a.max_model_len or (512 if a.cpu else 4096)
+    if a.cmd == "child":
+        a.limit = a.child_limit
+        return child(a)
+
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts, outs = make_prompts(a.prompts, vocab, a.cpu)
+    pf = os.path.join(a.out, "prompts.json")
+    write_json(pf, {"prompts": prompts, "outs": outs})
+    kv = a.kv or ("256M" if a.cpu else "12G")
+    limit = a.limit or ("24M" if a.cpu else "4G")
+    from kvcached.limits.units import parse_size
+
+    tag = os.getpid()
+    #        label            kvcached  batch-invariant  limit
+    engines = [
+        ("native", False, False, None),
+        ("kvcached", True, False, None),
+        ("native-bi", False, True, None),
+        ("kvcached-limit", True, True, limit),
+    ]
+    if a.only:
+        keep = set(a.only.split(","))
+        engines = [e for e in engines if e[0] in keep]
+    procs = {}
+    t0 = time.monotonic()
+    for label, kvc, bi, lim in engines:
+        name = f"proof_{label}_{tag}"
+        # Batch-invariant kernels are Triton GPU kernels; float32 on the CPU is
+        # batch-stable enough for the dry run.
+        extra = {"VLLM_BATCH_INVARIANT": "1"} if bi and not a.cpu else {}
+        env = engine_env(kvc, name, a.cpu, 0.3, **extra)
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--model",
+            a.model,
+            "--out",
+            os.path.join(a.out, f"{label}.json"),
+        ]
+        cmd += ["--max-model-len", str(a.max_model_len)] + (["--cpu"] if a.cpu else [])
+        cmd += ["child", "--prompts-file", pf, "--label", label, "--name", name, "--kv-bytes", str(parse_size(kv))]
+        if lim:
+            cmd += ["--child-limit", lim]
+        logf = open(os.path.join(a.out, f"{label}.log"), "w")
+        procs[label] = (subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT), logf)
+        log(f"started {label} (kvcached={kvc}, batch-invariant={bi}, limit={lim})")
+    failed = []
+    for label, (p, logf) in procs.items():
+        rc = p.wait()
+        logf.close()
+        log(f"{label} finished rc={rc} after {time.monotonic() - t0:.0f} s")
+        if rc != 0:
+            failed.append(label)
+            with open(os.path.join(a.out, f"{label}.log")) as f:
+                print("".join(f.readlines()[-40:]), flush=True)
+    if failed:
+        log(f"engines failed: {', '.join(failed)}")
+        return 1
+
+    res = {}
+    for label, *_ in engines:
+        with open(os.path.join(a.out, f"{label}.json")) as f:
+            res[label] = json.load(f)
+    total = sum(outs)
+    print(
+        f"\n{len(prompts)} prompts ({len(prompts) // 8 or 1} shared prefixes), {total} output tokens, "
+        f"longest output {max(outs)}; KV {kv} each, limit {limit}"
+    )
+    print(f"{'pair':<30} {'differ':>7} {'preempt':>8} {'prefix hit':>11} {'gen s':>7}  detail")
+    rc = 0
+    for x, y in (("native", "kvcached"), ("native-bi", "kvcached-limit")):
+        if x not in res or y not in res:
+            continue
+        n, where = compare(res[x]["tokens"], res[y]["tokens"])
+        cy = res[y]["counters"]
+        hits = cy.get("vllm:prefix_cache_hits", 0) / max(1.0, cy.get("vllm:prefix_cache_queries", 0))
+        print(
+            f"{x + ' vs ' + y:<30} {n:>7} {cy.get('vllm:num_preemptions', 0):>8.0f} {hits:>10.1%} "
+            f"{res[y]['seconds']:>7.1f}  {where or 'identical'} (native {res[x]['seconds']:.1f} s, "
+            f"preemptions {res[x]['counters'].get('vllm:num_preemptions', 0):.0f}; kvcached peak mapped "
+            f"{cy.get('kvcached_peak_mapped', 0) / (1 << 20):.0f} MiB, "
+            f"limit {cy.get('kvcached_limit', 0) / (1 << 20):.0f} MiB)"
+        )
+        rc |= n != 0
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
