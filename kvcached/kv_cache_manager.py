@@ -305,16 +305,18 @@ class KVCacheManager:
         self._limit_lock = threading.Lock()
         self._limit_rev = -1
         self._limit_bytes: Optional[int] = None
-        self.integration = engine if engine in ("vllm", "sglang") else getattr(self.limits, "engine", None)
-        if self.integration not in ("vllm", "sglang"):
-            self.integration = None
+        tag = engine if engine != "kvcached" else getattr(self.limits, "engine", None)
+        self.integration = tag if tag in ("vllm", "sglang") else None
+        if not self._local or _C.kv_tensors_created(self.group_id):
+            try:
+                with self._lock:
+                    self._start()
+            except BaseException:
+                self.shutdown()  # the record and the threads go with the failed construction
+                raise
         pool_registry.register_kv_cache_pool(self, integration=self.integration)
         if config.sanity_check():
             self._check_after_every_change()
-
-        if not self._local or _C.kv_tensors_created(self.group_id):
-            with self._lock:
-                self._start()
         logger.debug(
             "KVCacheManager %s: %r, %d layers x %d buffers", self.pool_name, geo, self.num_layers, self.num_kv_buffers
         )
