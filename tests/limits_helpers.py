@@ -113,3 +113,58 @@ def record_state(name: str) -> Optional[tuple]:
     except _C.KvcachedError:
         return None
     return (s.revision, s.limit)
+
+
+# Byte offsets of the record fields (csrc/include/kvcached/mem_info_tracker.hpp),
+# for tests that corrupt or forge records the way a crash or another user could.
+RECORD_SIZE = 312
+FIELDS = {
+    "magic": (0, "<Q"),
+    "version": (8, "<I"),
+    "record_size": (12, "<I"),
+    "device_type": (16, "<i"),
+    "device_index": (20, "<i"),
+    "owner_pid": (24, "<i"),
+    "owner_start_time": (32, "<Q"),
+    "seq": (40, "<I"),
+    "revision": (44, "<I"),
+    "limit": (48, "<q"),
+    "used": (56, "<q"),
+    "prealloc": (64, "<q"),
+    "total": (72, "<q"),
+    "updated_ns": (80, "<q"),
+    "name": (88, "128s"),
+    "engine": (216, "32s"),
+    "granted": (248, "<q"),
+    "device_bytes": (256, "<q"),
+    "applied_revision": (264, "<I"),
+    "wanted": (272, "<q"),
+    "wanted_ns": (280, "<q"),
+    "quarantined": (288, "<q"),
+}
+
+
+def shm_path(name: str) -> str:
+    return os.path.join("/dev/shm", name)
+
+
+def poke(record: str, **fields: Any) -> None:
+    """Writes raw field values into the record file ``record`` (no lock, no seqlock)."""
+    import struct
+
+    fd = os.open(shm_path(record), os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        for field, value in fields.items():
+            off, fmt = FIELDS[field]
+            os.pwrite(fd, struct.pack(fmt, value), off)
+    finally:
+        os.close(fd)
+
+
+def peek(record: str, field: str) -> Any:
+    import struct
+
+    off, fmt = FIELDS[field]
+    with open(shm_path(record), "rb") as f:
+        f.seek(off)
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]

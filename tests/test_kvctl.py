@@ -13,8 +13,9 @@ import pytest
 
 from kvcached import _C
 from kvcached.cli import kvctl as kvctl_mod
+from kvcached.cli import kvtop as kvtop_mod
 from kvcached.cli.utils import get_kv_cache_limit, update_kv_cache_limit
-from limits_helpers import BPP, Worker, kvctl, record_state, remove_records, unique_prefix
+from limits_helpers import BPP, Worker, kvctl, poke, record_state, remove_records, unique_prefix
 
 BUDGET = 16 * BPP  # the instance's device: 4 MiB usable
 
@@ -56,8 +57,30 @@ BAD = [
     (["delete", "{name}"], "is alive"),
     (["delete", "{missing}"], "no kvcached instance named"),
     (["delete", "bad/name"], "invalid"),
-    (["watch", "-n", "0"], "must be > 0"),
+    (["watch", "-n", "0"], "outside (0, 86400]"),
     (["frobnicate"], "invalid choice"),
+    # Numbers: ASCII digits only, finite, within the field they go to.
+    (["limit", "{name}", "1M", "--revision", "99999999999999999999"], "outside [0, 4294967295]"),
+    (["limit", "{name}", "1M", "--revision", str(1 << 32)], "outside [0, 4294967295]"),  # would wrap to 0
+    (["limit", "{name}", "1M", "--revision", "\uff11"], "not an integer"),
+    (["limit", "{name}", "1M", "--revision", "-1"], "not an integer"),
+    (["limit", "{name}", "\uff11\uff12\uff13"], "not a size"),
+    (["limit", "{name}", "\u0663M"], "not a size"),
+    (["limit", "{name}", "1_0"], "not a size"),
+    (["limit", "{name}", "1e3"], "not a size"),
+    (["limit", "{name}", str(1 << 63)], "too large"),
+    (["limit", "{name}", "1M", "--wait", "inf"], "--wait"),
+    (["limit", "{name}", "1M", "--wait", "nan"], "--wait"),
+    (["limit", "{name}", "1M", "--wait", "-1"], "--wait"),
+    (["limit", "{name}", "1M", "--wait", "1e9"], "--wait"),
+    (["limit-percent", "{name}", "\u0665\u0660"], "not a number"),
+    (["limit-percent", "{name}", "1_0"], "not a number"),
+    (["limit-percent", "{name}", "inf"], "not a number"),
+    (["watch", "-n", "inf"], "-n"),
+    (["watch", "-n", "nan"], "-n"),
+    (["watch", "--count", "-1"], "--count"),
+    (["watch", "--count", "0"], "--count"),
+    (["watch", "--count", "1.5"], "--count"),
 ]
 
 
@@ -69,7 +92,7 @@ def run_main(argv) -> int:
         return int(e.code)
 
 
-@pytest.mark.parametrize("argv,why", BAD, ids=[" ".join(a) or "empty" for a, _ in BAD])
+@pytest.mark.parametrize("argv,why", BAD, ids=[ascii(" ".join(a)) or "empty" for a, _ in BAD])
 def test_bad_input_exits_2_with_one_line_and_changes_nothing(inst, capsys, argv, why):
     argv = [a.format(name=inst.name, missing=inst.name + "_nope") for a in argv]
     before = record_state(inst.name)
@@ -79,6 +102,26 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(inst, capsys, argv,
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("kvctl: error: ") and why in err, err
     assert record_state(inst.name) == before
+
+
+KVTOP_BAD = [
+    (["-n", "inf"], "-n"),
+    (["-n", "0"], "outside (0, 86400]"),
+    (["-n", "-1"], "-n"),
+    (["--count", "-1"], "--count"),
+    (["--count", "0"], "--count"),
+    (["--count", "\uff13"], "not an integer"),
+    (["--frobnicate"], "unrecognized arguments"),
+]
+
+
+@pytest.mark.parametrize("argv,why", KVTOP_BAD, ids=[ascii(" ".join(a)) for a, _ in KVTOP_BAD])
+def test_kvtop_bad_input_exits_2_with_one_line(capsys, argv, why):
+    with pytest.raises(SystemExit) as e:
+        kvtop_mod.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("kvtop: error: ") and why in err, err
 
 
 def test_console_script_exit_codes(inst):
@@ -220,3 +263,21 @@ def test_upstream_utils(inst):
         with pytest.raises(ValueError):
             update_kv_cache_limit(inst.name, bad)
     assert record_state(inst.name) == before
+
+
+def test_list_escapes_what_a_record_says():
+    """A name or engine with terminal escape codes is printed as text, never raw."""
+    prefix = unique_prefix()
+    try:
+        t = _C.MemInfoTracker.create(prefix + "esc", "t", 0, 0, BPP, BPP)
+        poke(prefix + "esc", name=(prefix + "esc\x1b[2J\x1b]0;owned\x07").encode(), engine=b"\x1b[31mred\xe2\x80\xae")
+        for cmd in (["list"], ["kvtop", "--once"], ["watch", "--count", "1"]):
+            r = kvctl(*cmd)
+            assert r.returncode == 0, r.stderr
+            assert "\x1b" not in r.stdout and "\x07" not in r.stdout and "\u202e" not in r.stdout, r.stdout
+            assert prefix + "esc" in r.stdout
+        r = kvctl("list", "--json")
+        assert r.returncode == 0 and "\x1b" not in r.stdout  # JSON escapes control characters itself
+        del t
+    finally:
+        remove_records(prefix)

@@ -21,7 +21,10 @@ import sys
 import time
 from typing import Any, List, Optional, Sequence
 
+from kvcached.cli import args as args_mod
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+MAX_SIZE = (1 << 63) - 1  # the record's limit is a signed 64-bit byte count
 
 
 class BadInput(Exception):
@@ -42,15 +45,18 @@ def _parse_size_arg(text: str) -> int:
         raise BadInput(str(e)) from None
     if n <= 0:
         raise BadInput(f"size {text!r} must be > 0; give a positive size such as 4G")
+    if n > MAX_SIZE:
+        raise BadInput(f"size {text!r} is too large; the most a record holds is {MAX_SIZE} bytes")
     return n
 
 
 def _parse_revision(text: Optional[str]) -> Optional[int]:
     if text is None:
         return None
-    if not text.isdigit():
-        raise BadInput(f"--revision {text!r} must be a non-negative integer (the REV column of `kvctl list`)")
-    return int(text)
+    try:
+        return args_mod.integer(text, "--revision", 0, args_mod.MAX_REVISION)
+    except ValueError as e:
+        raise BadInput(f"{e} (the REV column of `kvctl list`)") from None
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -67,9 +73,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def _set_limit(name: str, limit: int, revision: Optional[int], as_json: bool, wait_s: float) -> int:
     from kvcached.control import APPLIED, DEFERRED, REJECTED, set_instance_memory_limit
+    from kvcached.errors import InvalidArgumentError
     from kvcached.limits.units import format_size
 
-    r = set_instance_memory_limit(limit, revision, name=name, wait_s=wait_s)
+    try:
+        r = set_instance_memory_limit(limit, revision, name=name, wait_s=wait_s)
+    except InvalidArgumentError as e:  # the data plane refused the write (e.g. an invalid record)
+        raise BadInput(str(e)) from None
     if r == REJECTED:
         raise BadInput(r.message)
     if as_json:
@@ -102,12 +112,11 @@ def cmd_limit_percent(args: argparse.Namespace) -> int:
     from kvcached import _C
     from kvcached.limits.records import read_record
 
+    text = args.pct.strip()
     try:
-        pct = float(args.pct.rstrip("%"))
-    except ValueError:
-        raise BadInput(f"percent {args.pct!r} is not a number; give a value in (0, 100]") from None
-    if not 0.0 < pct <= 100.0:
-        raise BadInput(f"percent {args.pct} is outside (0, 100]; give a value such as 50")
+        pct = args_mod.decimal(text[:-1] if text.endswith("%") else text, "percent", 0.0, 100.0, lo_open=True)
+    except ValueError as e:
+        raise BadInput(f"{e}; give a value such as 50") from None
     revision = _parse_revision(args.revision)
     try:
         rec = read_record(args.name)
@@ -125,8 +134,6 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from kvcached.cli.table import records_table
     from kvcached.limits.records import list_records
 
-    if not args.interval > 0:
-        raise BadInput(f"-n {args.interval} must be > 0 seconds")
     tty = sys.stdout.isatty()
     n = 0
     try:
@@ -159,24 +166,25 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
+    from kvcached.cli.table import printable
     from kvcached.elastic.cleanup import cleanup_dead_instances
 
-    deleted = cleanup_dead_instances(args.prefix)
+    failed: dict = {}
+    deleted = cleanup_dead_instances(args.prefix, failed=failed)
     if args.json:
-        _print_json({"deleted": deleted})
+        _print_json({"deleted": deleted, "failed": failed})
     else:
-        print(f"deleted {len(deleted)} dead instance(s)" + (": " + ", ".join(deleted) if deleted else ""))
-    return EXIT_OK
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
-        self.exit(EXIT_BAD_INPUT, f"kvctl: error: {message}; see `kvctl --help`\n")
+        print(
+            f"deleted {len(deleted)} dead instance(s)" + (": " + ", ".join(map(printable, deleted)) if deleted else "")
+        )
+        for name, why in sorted(failed.items()):
+            print(f"kvctl: could not delete {printable(name)}: {printable(why, 300)}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kvctl", description="Watch and cap kvcached instances (records in /dev/shm).")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+    p = args_mod.OneLineParser(prog="kvctl", description="Watch and cap kvcached instances (records in /dev/shm).")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=args_mod.OneLineParser)
     sub.required = True
 
     s = sub.add_parser("list", help="list instances (dead owners shown as dead)")
@@ -191,13 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("name")
         s.add_argument(arg, help=helptext)
         s.add_argument("--revision", help="write only if the record is still at this revision")
-        s.add_argument("--wait", type=float, default=0.5, help="seconds to wait for the owner to apply it")
+        s.add_argument(
+            "--wait", type=args_mod.wait, default=0.5, help="seconds (0-3600) to wait for the owner to apply it"
+        )
         s.add_argument("--json", action="store_true")
         s.set_defaults(func=func)
 
     s = sub.add_parser("watch", help="print `kvctl list` every -n seconds")
-    s.add_argument("-n", "--interval", type=float, default=2.0)
-    s.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+    s.add_argument("-n", "--interval", type=args_mod.interval, default=2.0, help="seconds between refreshes")
+    s.add_argument("--count", type=args_mod.count, default=None, help="stop after this many refreshes (>= 1)")
     s.set_defaults(func=cmd_watch)
 
     s = sub.add_parser("delete", help="remove an instance record (refused while its owner lives)")
@@ -221,7 +231,8 @@ def _protect_negative_sizes(argv: List[str]) -> List[str]:
     answer "missing size"; pass it through so the answer is "must be > 0"."""
     if argv and argv[0] in ("limit", "limit-percent") and "--" not in argv:
         for i, tok in enumerate(argv[1:], 1):
-            if len(tok) > 1 and tok[0] == "-" and (tok[1].isdigit() or tok[1] == "."):
+            value_of_option = argv[i - 1] in ("--revision", "--wait")  # argparse takes "-1" there itself
+            if len(tok) > 1 and tok[0] == "-" and (tok[1].isdigit() or tok[1] == ".") and not value_of_option:
                 return argv[:i] + ["--"] + argv[i:]
     return argv
 

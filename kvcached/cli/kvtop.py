@@ -10,7 +10,6 @@ prints one frame per refresh.
 
 from __future__ import annotations
 
-import argparse
 import os
 import select
 import socket
@@ -18,7 +17,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from kvcached.cli.table import device_summaries, percent, render
+from kvcached.cli import args as args_mod
+from kvcached.cli.table import device_summaries, percent, printable, problems, render
 from kvcached.limits.records import RecordView, list_records
 from kvcached.limits.units import format_size
 
@@ -52,7 +52,7 @@ def frame(records: Sequence[RecordView], interval: float) -> str:
                     format_size(held),
                     format_size(mapped),
                     bar(mapped, usable) + " " + percent(mapped, usable),
-                    f"{d['alive']} alive, {d['dead']} dead",
+                    f"{d['alive']} alive, {d['dead']} dead" + (f", {d['invalid']} invalid" if d["invalid"] else ""),
                 ]
             )
         lines.append(render(("DEVICE", "USABLE", "HELD", "MAPPED", "USE", "INSTANCES"), rows))
@@ -64,9 +64,9 @@ def frame(records: Sequence[RecordView], interval: float) -> str:
     for r in records:
         rows.append(
             [
-                r.name,
-                r.engine or "-",
-                r.device,
+                printable(r.name),
+                printable(r.engine) or "-",
+                printable(r.device),
                 str(r.owner_pid),
                 r.state,
                 format_size(r.limit),
@@ -79,6 +79,7 @@ def frame(records: Sequence[RecordView], interval: float) -> str:
     lines.append(
         render(("NAME", "ENGINE", "DEVICE", "PID", "STATE", "LIMIT", "USED", "PREALLOC", "GRANT", "MAPPED/LIMIT"), rows)
     )
+    lines.extend(problems(records))
     return "\n".join(lines)
 
 
@@ -95,14 +96,11 @@ def _wait_for_quit(timeout: float, interactive: bool) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="kvtop", description="Live table of kvcached instances.")
-    p.add_argument("-n", "--interval", type=float, default=1.0, help="seconds between refreshes")
+    p = args_mod.OneLineParser(prog="kvtop", description="Live table of kvcached instances.")
+    p.add_argument("-n", "--interval", type=args_mod.interval, default=1.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
-    p.add_argument("--count", type=int, default=None, help="stop after this many frames")
+    p.add_argument("--count", type=args_mod.count, default=None, help="stop after this many frames (>= 1)")
     args = p.parse_args(argv)
-    if not args.interval > 0:
-        print(f"kvtop: error: -n {args.interval} must be > 0 seconds", file=sys.stderr)
-        return 2
     count = 1 if args.once else args.count
     tty = sys.stdout.isatty() and not args.once
     interactive = tty and sys.stdin.isatty()

@@ -1,4 +1,9 @@
-"""Plain-text tables of instance records, shared by kvctl and kvtop."""
+"""Plain-text tables of instance records, shared by kvctl and kvtop.
+
+Every text taken from a record is passed through ``printable`` first: a name
+is whatever bytes sit in a file in /dev/shm, and terminal escape codes in it
+must reach the screen as text, not as commands.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +25,18 @@ RECORD_HEADERS = (
     "MAPPED",
     "LIMIT%",
     "WANTS",
+    "LEAKED",
     "REV",
 )
+
+
+def printable(text: object, limit: int = 128) -> str:
+    """``text`` with every non-printable or non-ASCII character escaped
+    (``\\x1b``, ``\\u202e``), cut to ``limit`` characters."""
+    s = str(text)
+    if s.isascii() and s.isprintable():
+        return s[:limit]
+    return "".join(c if c.isascii() and c.isprintable() else ascii(c)[1:-1] for c in s)[:limit]
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -47,9 +62,9 @@ def percent(part: int, whole: int) -> str:
 
 def record_row(r: RecordView) -> List[str]:
     return [
-        r.name,
-        r.engine or "-",
-        r.device,
+        printable(r.name),
+        printable(r.engine) or "-",
+        printable(r.device),
         str(r.owner_pid),
         r.state,
         format_size(r.limit),
@@ -58,6 +73,7 @@ def record_row(r: RecordView) -> List[str]:
         format_size(r.mapped),
         percent(r.mapped, r.limit),
         _wants(r),
+        format_size(r.quarantined) if r.quarantined else "-",
         str(r.revision),
     ]
 
@@ -68,19 +84,41 @@ def _wants(r: RecordView) -> str:
     return format_size(n) if n else "-"
 
 
+def problems(records: Sequence[RecordView]) -> List[str]:
+    """One line per record that is invalid, busy or holds leaked memory, saying why."""
+    out = []
+    for r in records:
+        if r.problem:
+            out.append(f"! {printable(r.name)}: invalid, ignored by budgets: {printable(r.problem, 300)}")
+        elif r.busy:
+            out.append(f"! {printable(r.name)}: busy: a limit write did not finish (limit and revision may not pair)")
+        if r.quarantined:
+            out.append(
+                f"! {printable(r.name)}: {format_size(r.quarantined)} could not be released (driver error); "
+                "it stays allocated until the instance exits"
+            )
+    return out
+
+
 def records_table(records: Sequence[RecordView]) -> str:
     if not records:
         return "no kvcached instances (records in /dev/shm readable by this user)"
-    return render(RECORD_HEADERS, [record_row(r) for r in records])
+    return "\n".join([render(RECORD_HEADERS, [record_row(r) for r in records])] + problems(records))
 
 
 def device_summaries(records: Sequence[RecordView]) -> List[Dict[str, object]]:
-    """Per device: usable bytes (as its instances report it), held, mapped, counts."""
+    """Per device: usable bytes (as its valid instances report it), held, mapped, counts."""
     out: Dict[str, Dict[str, object]] = {}
     for r in records:
-        d = out.setdefault(r.device, {"device": r.device, "usable": 0, "held": 0, "mapped": 0, "alive": 0, "dead": 0})
+        d = out.setdefault(
+            printable(r.device),
+            {"device": printable(r.device), "usable": 0, "held": 0, "mapped": 0, "alive": 0, "dead": 0, "invalid": 0},
+        )
+        kind = "invalid" if not r.valid else "alive" if r.alive else "dead"
+        d[kind] = int(d[kind]) + 1  # type: ignore[arg-type]
+        if kind == "invalid":
+            continue
         d["usable"] = max(int(d["usable"]), r.device_bytes)  # type: ignore[arg-type]
         d["held"] = int(d["held"]) + r.held  # type: ignore[arg-type]
         d["mapped"] = int(d["mapped"]) + (r.mapped if r.alive else 0)  # type: ignore[arg-type]
-        d["alive" if r.alive else "dead"] = int(d["alive" if r.alive else "dead"]) + 1  # type: ignore[arg-type]
     return list(out.values())

@@ -14,7 +14,7 @@ import glob
 import logging
 import os
 import time
-from typing import List
+from typing import Dict, List, Optional
 
 from kvcached import naming
 from kvcached.errors import InvalidArgumentError
@@ -22,24 +22,30 @@ from kvcached.errors import InvalidArgumentError
 logger = logging.getLogger("kvcached.elastic")
 
 
-def cleanup_dead_instances(prefix: str = "") -> List[str]:
+def cleanup_dead_instances(prefix: str = "", failed: Optional[Dict[str, str]] = None) -> List[str]:
     """Deletes records whose owner died (names starting with ``prefix``) and
     socket directories nobody serves (what a killed engine leaves behind), for
-    this user. Returns the records deleted."""
+    this user. Returns the records deleted; ``failed`` (if given) receives
+    name -> why for each dead record of this user that is still there.
+
+    Another user's records are left alone (root's cleanup covers everyone's).
+    """
     from kvcached import _C
     from kvcached.ipc import paths
     from kvcached.limits.records import list_records
 
+    uid = os.geteuid()
     deleted: List[str] = []
     for r in list_records():
-        if not r.alive and r.name.startswith(prefix):
-            try:
-                _C.delete_mem_info_record(r.name, False)  # re-checks liveness: a restarted owner is kept
-                deleted.append(r.name)
-                logger.info("kvcached: removed the record of dead instance %s", r.name)
-            except _C.KvcachedError:
-                pass
-    uid = os.geteuid()
+        if r.alive or not r.name.startswith(prefix) or (uid != 0 and r.owner_uid not in (uid, -1)):
+            continue
+        try:
+            _C.delete_mem_info_record(r.name, False)  # re-checks liveness: a restarted owner is kept
+            deleted.append(r.name)
+            logger.info("kvcached: removed the record of dead instance %s", r.name)
+        except _C.KvcachedError as e:
+            if failed is not None:
+                failed[r.name] = str(e)
     for root in glob.glob(os.path.join(paths.BASE_DIR, "kvcached-tp-*")):
         try:
             st = os.lstat(root)

@@ -8,6 +8,7 @@ A record's fields are read atomically one by one; limit and revision together
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -15,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from kvcached import _C
 from kvcached.devices import normalize_device
 
+SHM_DIR = "/dev/shm"
 DEVICE_HOST, DEVICE_CUDA, DEVICE_HIP = 0, 1, 2
 _DEVICE_KINDS = {DEVICE_HOST: "cpu", DEVICE_CUDA: "cuda", DEVICE_HIP: "hip"}
 
@@ -58,6 +60,15 @@ class RecordView:
     ``wanted``: bytes the owner's load lacks because the device budget (not
     its own limit) stops it, as of ``wanted_ns`` (CLOCK_REALTIME; 0 bytes:
     nothing wanted). A want is current only while it is being renewed.
+    ``quarantined``: bytes of the instance's memory that could not be released
+    (a failed driver call) and stay allocated until it exits.
+
+    ``problem`` says why the record cannot be trusted ("" when it can): another
+    user's file, a wrong size, a field out of range, a name that does not match.
+    Such a record is shown as ``invalid`` and counts in no budget. ``busy``: a
+    limit write did not finish within the readers' bound (a writer stopped or
+    killed between its two updates); limit and revision may not pair up.
+    ``owner_uid``: the uid owning the file (-1: unknown).
     """
 
     name: str
@@ -78,6 +89,15 @@ class RecordView:
     updated_ns: int
     wanted: int = 0
     wanted_ns: int = 0
+    quarantined: int = 0
+    owner_uid: int = -1
+    problem: str = ""
+    busy: bool = False
+
+    @property
+    def valid(self) -> bool:
+        """Every check passed: the record may be trusted (budgets count only these)."""
+        return not self.problem
 
     @property
     def mapped(self) -> int:
@@ -89,8 +109,9 @@ class RecordView:
         """Bytes of the device this instance counts against a budget.
 
         A dead owner holds nothing: the OS/driver freed its memory with it.
+        An invalid record holds nothing either: its numbers are not trusted.
         """
-        return max(self.granted, self.mapped) if self.alive else 0
+        return max(self.granted, self.mapped) if self.alive and self.valid else 0
 
     @property
     def pending(self) -> bool:
@@ -99,18 +120,23 @@ class RecordView:
         An owner that never acknowledges (``applied_revision`` 0: a record
         not managed by InstanceLimits) is never shown pending.
         """
-        return self.alive and self.applied_revision != 0 and self.applied_revision != self.revision
+        return self.alive and self.valid and self.applied_revision != 0 and self.applied_revision != self.revision
 
     def wants(self, max_age_s: float, now_ns: Optional[int] = None) -> int:
         """Bytes a live owner wanted within the last ``max_age_s`` seconds (0: none)."""
-        if not self.alive or self.wanted <= 0:
+        if not self.alive or not self.valid or self.wanted <= 0:
             return 0
         now = time.time_ns() if now_ns is None else now_ns
         return self.wanted if now - self.wanted_ns <= max_age_s * 1e9 else 0
 
     @property
     def state(self) -> str:
-        """``alive``, ``pending`` (live, latest limit not yet enforced) or ``dead``."""
+        """``invalid`` (see ``problem``), ``busy``, ``dead``, ``pending`` (live,
+        latest limit not yet enforced) or ``alive``."""
+        if self.problem:
+            return "invalid"
+        if self.busy:
+            return "busy"
         if not self.alive:
             return "dead"
         return "pending" if self.pending else "alive"
@@ -155,7 +181,20 @@ class RecordView:
             updated_ns=s.updated_ns,
             wanted=s.wanted,
             wanted_ns=s.wanted_ns,
+            quarantined=getattr(s, "quarantined", 0),
+            owner_uid=getattr(s, "owner_uid", -1),
+            problem=getattr(s, "problem", ""),
+            busy=getattr(s, "busy", False),
         )
+
+    @classmethod
+    def unreadable(cls, name: str, problem: str) -> RecordView:
+        """A file that looks like a record but cannot be opened as one."""
+        return cls(
+            name=name, engine="", device="?", device_type=-1, device_index=0, owner_pid=0, alive=False,
+            revision=0, applied_revision=0, limit=0, used=0, prealloc=0, total=0, granted=0, device_bytes=0,
+            updated_ns=0, problem=problem,
+        )  # fmt: skip
 
 
 def read_record(name: str) -> RecordView:
@@ -171,13 +210,15 @@ def read_record(name: str) -> RecordView:
 def list_records() -> List[RecordView]:
     """Every record this user can read, sorted by device then name.
 
-    A record removed between listing and reading is skipped, not an error.
+    A record removed between listing and reading is skipped, not an error; one
+    that cannot be opened as a record is listed as invalid, with the reason.
     """
     out: List[RecordView] = []
     for name in _C.list_mem_info_records():
         try:
             out.append(read_record(name))
-        except _C.KvcachedError:
-            continue
+        except _C.KvcachedError as e:
+            if os.path.lexists(os.path.join(SHM_DIR, name)):
+                out.append(RecordView.unreadable(name, str(e)))
     out.sort(key=lambda r: (r.device_type, r.device_index, r.name))
     return out

@@ -4,31 +4,32 @@ memory figures."""
 
 from __future__ import annotations
 
-import math
 import re
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+# ASCII digits only: str.isdigit()/float() would also take "１２３", "٣" or "1_0".
+_SIZE_RE = re.compile(r"^\s*([+-]?)([0-9]*)(?:\.([0-9]*))?\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE | re.ASCII)
 
 
 def parse_size(text: str) -> int:
     """Parses ``text`` into a byte count.
 
-    Accepts an integer or decimal number with an optional K/M/G/T suffix
-    (case-insensitive, optionally followed by ``B`` or ``iB``). Fractions are
-    rounded down to whole bytes. The sign is kept, so callers can tell a
-    negative size apart from garbage and say so.
+    Accepts an integer or decimal number of ASCII digits with an optional
+    K/M/G/T suffix (case-insensitive, optionally followed by ``B`` or ``iB``).
+    Exact (no float rounding); fractions of a byte are rounded down. The sign
+    is kept, so callers can tell a negative size apart from garbage and say so.
 
     Raises:
         ValueError: the text is not a size; the message says what is accepted.
     """
     m = _SIZE_RE.match(str(text))
-    if not m:
+    if not m or not (m.group(2) or m.group(3)):
         raise ValueError(f"{text!r} is not a size; use bytes or a number with K, M, G or T (e.g. 512M, 1.5G)")
-    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if not math.isfinite(value):
-        raise ValueError(f"{text!r} is too large")
-    return int(value)
+    sign, whole, frac, unit = m.groups()
+    mult = _UNITS[unit.upper()]
+    frac = frac or ""
+    value = int(whole or "0") * mult + int(frac or "0") * mult // 10 ** len(frac)
+    return -value if sign == "-" else value
 
 
 def format_size(n: int) -> str:
