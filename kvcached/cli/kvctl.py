@@ -1,12 +1,17 @@
 """kvctl: list, cap and clean up kvcached instances from the shell.
 
-    kvctl list [--json]
+    kvctl list [NAME ...] [--json]
     kvctl limit <name> <size> [--revision R] [--json]     size: 512M, 1.5G, bytes
     kvctl limit-percent <name> <pct> [--revision R] [--json]   pct of the device's usable memory
-    kvctl watch [-n SEC] [--count N]
+    kvctl watch [-n SEC] [--count N] [NAME ...]
     kvctl delete <name> [--force] [--json]
     kvctl cleanup [--prefix P] [--json]                    delete every dead instance
-    kvctl kvtop [kvtop options]
+    kvctl kvtop [kvtop options] [NAME ...]
+    kvctl version [--json]                                 the kvcached build installed
+    kvctl [shell]                                          one command per line (kvcached.cli.shell)
+
+Upstream kvctl's commands and flags work as there (docs/COMPAT.md); ``list
+--json`` carries upstream's ``ipc``/``limit_bytes``/``used_bytes`` beside ours.
 
 Exit status: 0 done; 2 bad input (one line on stderr naming the fix; nothing
 changed); 1 the write lost to another writer (stale/conflict) or the system
@@ -19,7 +24,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from kvcached.cli import args as args_mod
 
@@ -59,16 +64,35 @@ def _parse_revision(text: Optional[str]) -> Optional[int]:
         raise BadInput(f"{e} (the REV column of `kvctl list`)") from None
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    from kvcached.cli.table import records_table
+def _records(names: Sequence[str]) -> Tuple[List[Any], List[str]]:
+    """(records, names asked for that have none): every record, or those named."""
     from kvcached.limits.records import list_records
+    from kvcached.naming import validate_name
 
+    for n in names:
+        try:
+            validate_name(n)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
     recs = list_records()
+    if not names:
+        return recs, []
+    found = [r for r in recs if r.name in names]
+    return found, sorted(set(names) - {r.name for r in found})
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from kvcached.cli.table import printable, records_table
+
+    recs, missing = _records(args.names)
     if args.json:
-        _print_json([r.to_dict() for r in recs])
+        # Upstream's keys (ipc, limit_bytes, used_bytes) beside ours.
+        _print_json([dict(r.to_dict(), ipc=r.name, limit_bytes=r.limit, used_bytes=r.used) for r in recs])
     else:
         print(records_table(recs))
-    return EXIT_OK
+    for n in missing:
+        print(f"kvctl: no kvcached instance named {printable(n)!r}; see `kvctl list`", file=sys.stderr)
+    return EXIT_FAILED if missing else EXIT_OK
 
 
 def _set_limit(name: str, limit: int, revision: Optional[int], as_json: bool, wait_s: float) -> int:
@@ -132,8 +156,8 @@ def cmd_limit_percent(args: argparse.Namespace) -> int:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     from kvcached.cli.table import records_table
-    from kvcached.limits.records import list_records
 
+    _records(args.names)  # names are checked once; instances may come and go meanwhile
     tty = sys.stdout.isatty()
     n = 0
     try:
@@ -141,7 +165,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
             if n:
                 time.sleep(args.interval)
             frame = f"Every {args.interval:g}s: kvctl list    {time.strftime('%Y-%m-%d %H:%M:%S')}\n\n"
-            frame += records_table(list_records())
+            frame += records_table(_records(args.names)[0])
             # On a terminal redraw in place; in a pipe keep every frame.
             sys.stdout.write(("\x1b[H\x1b[2J" if tty else ("\n" if n else "")) + frame + "\n")
             sys.stdout.flush()
@@ -182,12 +206,22 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
+def cmd_version(args: argparse.Namespace) -> int:
+    from kvcached import build_info, version_line
+
+    if args.json:
+        _print_json(build_info())
+    else:
+        print(version_line())
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = args_mod.OneLineParser(prog="kvctl", description="Watch and cap kvcached instances (records in /dev/shm).")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=args_mod.OneLineParser)
-    sub.required = True
 
     s = sub.add_parser("list", help="list instances (dead owners shown as dead)")
+    s.add_argument("names", nargs="*", metavar="NAME", help="only these instances")
     s.add_argument("--json", action="store_true", help="machine-readable output, bytes")
     s.set_defaults(func=cmd_list)
 
@@ -208,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("watch", help="print `kvctl list` every -n seconds")
     s.add_argument("-n", "--interval", type=args_mod.interval, default=2.0, help="seconds between refreshes")
     s.add_argument("--count", type=args_mod.count, default=None, help="stop after this many refreshes (>= 1)")
+    s.add_argument("names", nargs="*", metavar="NAME", help="only these instances")
     s.set_defaults(func=cmd_watch)
 
     s = sub.add_parser("delete", help="remove an instance record (refused while its owner lives)")
@@ -221,8 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_cleanup)
 
-    # Listed for --help; main() hands `kvctl kvtop ...` to kvtop before parsing.
+    s = sub.add_parser("version", help="the kvcached build installed (version, commit, location)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_version)
+
+    # Listed for --help; main() hands these to kvtop / the shell before parsing.
     sub.add_parser("kvtop", help="live table of instances (same as `kvtop`; see `kvtop --help`)")
+    sub.add_parser("shell", help="one kvctl command per line (also: kvctl without a command)")
     return p
 
 
@@ -244,6 +284,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from kvcached.cli import kvtop
 
         return kvtop.main(argv[1:])
+    if argv in ([], ["shell"]):
+        from kvcached.cli import shell
+
+        return shell.run(main)
     args = build_parser().parse_args(_protect_negative_sizes(argv))
     try:
         return int(args.func(args))

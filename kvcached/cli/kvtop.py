@@ -1,6 +1,8 @@
 """kvtop: a live table of kvcached instances and their devices.
 
-    kvtop [-n SEC] [--once] [--count N]
+    kvtop [-n SEC | -r SEC | --refresh SEC] [--once] [--count N] [NAME ...]
+
+``--refresh``/``-r`` and the instance names are upstream kvtop's spellings.
 
 Reads the records in /dev/shm through the extension only: it imports neither
 torch nor any GPU library, so it runs over ssh on any box that has the
@@ -21,6 +23,7 @@ from kvcached.cli import args as args_mod
 from kvcached.cli.table import device_summaries, percent, printable, problems, render
 from kvcached.limits.records import RecordView, list_records
 from kvcached.limits.units import format_size
+from kvcached.naming import validate_name
 
 BAR_WIDTH = 20
 
@@ -34,7 +37,7 @@ def bar(part: int, whole: int, width: int = BAR_WIDTH) -> str:
     return "[" + ("!" if over else "#") * filled + "." * (width - filled) + "]"
 
 
-def frame(records: Sequence[RecordView], interval: float) -> str:
+def frame(records: Sequence[RecordView], interval: float, names: Sequence[str] = ()) -> str:
     """One screen: header, per-device budget lines, per-instance rows."""
     lines = [
         f"kvtop  {socket.gethostname()}  {time.strftime('%Y-%m-%d %H:%M:%S')}  every {interval:g}s  (q quits)",
@@ -58,7 +61,8 @@ def frame(records: Sequence[RecordView], interval: float) -> str:
         lines.append(render(("DEVICE", "USABLE", "HELD", "MAPPED", "USE", "INSTANCES"), rows))
         lines.append("")
     if not records:
-        lines.append("no kvcached instances (records in /dev/shm readable by this user)")
+        which = f"named {', '.join(map(printable, names))}" if names else "(records in /dev/shm readable by this user)"
+        lines.append(f"no kvcached instances {which}")
         return "\n".join(lines)
     rows = []
     for r in records:
@@ -97,10 +101,20 @@ def _wait_for_quit(timeout: float, interactive: bool) -> bool:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = args_mod.OneLineParser(prog="kvtop", description="Live table of kvcached instances.")
-    p.add_argument("-n", "--interval", type=args_mod.interval, default=1.0, help="seconds between refreshes")
+    p.add_argument(
+        "-n", "--interval", "-r", "--refresh", dest="interval", type=args_mod.interval, default=1.0,
+        help="seconds between refreshes",
+    )  # fmt: skip
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--count", type=args_mod.count, default=None, help="stop after this many frames (>= 1)")
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these instances (default: every one)")
     args = p.parse_args(argv)
+    for name in args.names:
+        try:
+            validate_name(name)
+        except ValueError as e:
+            p.error(str(e))
+    names = set(args.names)
     count = 1 if args.once else args.count
     tty = sys.stdout.isatty() and not args.once
     interactive = tty and sys.stdin.isatty()
@@ -116,7 +130,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n = 0
     try:
         while count is None or n < count:
-            text = frame(list_records(), args.interval)
+            recs = [r for r in list_records() if not names or r.name in names]
+            text = frame(recs, args.interval, args.names)
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
             else:
