@@ -27,6 +27,7 @@ to, and prints as, its status.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from typing import Any, Dict, List, Optional
@@ -248,7 +249,7 @@ def _write_record(target: str, limit_bytes: Any, revision: Optional[int], wait_s
     deadline = time.monotonic() + max(0.0, wait_s)
     while True:
         snap = tracker.snapshot()
-        acked = _acked(snap.applied_revision, new_rev)
+        acked = revision_acked(snap.applied_revision, new_rev)
         if acked or time.monotonic() >= deadline:
             break
         time.sleep(0.002)
@@ -270,8 +271,6 @@ def _write_record(target: str, limit_bytes: Any, revision: Optional[int], wait_s
 
 def _split_over_pools(pools: List[Any], limit_bytes: Any, revision: Optional[int], wait_s: float) -> LimitResult:
     """Upstream's call: ``limit_bytes`` split over this process's pools by virtual capacity."""
-    from kvcached.kv_cache_manager import KVCacheManager
-
     names = ",".join(sorted(str(getattr(m, "pool_name", "") or "") for m in pools))
     bad = None
     if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 0:
@@ -291,7 +290,7 @@ def _split_over_pools(pools: List[Any], limit_bytes: Any, revision: Optional[int
     states = []
     for i, (m, cap) in enumerate(zip(pools, caps)):
         share = left if i == len(pools) - 1 else min(left, budget * cap // total)
-        kw = {"wait_s": wait_s} if isinstance(m, KVCacheManager) else {}
+        kw = {"wait_s": wait_s} if "wait_s" in inspect.signature(m.set_memory_limit).parameters else {}
         states.append(m.set_memory_limit(share, revision=revision, **kw))
         left -= share
     found = {str(st["status"]) for st in states}
@@ -308,8 +307,8 @@ def _split_over_pools(pools: List[Any], limit_bytes: Any, revision: Optional[int
     )
 
 
-def _acked(applied: int, written: int) -> bool:
-    # Revisions are 32-bit counters: "applied at or after ours", modulo wrap.
+def revision_acked(applied: int, written: int) -> bool:
+    """True when the owner applied revision ``written`` or a later one (32-bit counters, modulo wrap)."""
     return ((int(applied) - int(written)) & 0xFFFFFFFF) < 0x80000000
 
 

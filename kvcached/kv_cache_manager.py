@@ -111,11 +111,6 @@ def _non_negative(name: str, value: object) -> int:
     return v
 
 
-def _revision_reached(applied: int, written: int) -> bool:
-    # Record revisions are 32-bit counters: "applied at or after written", modulo wrap.
-    return ((int(applied) - int(written)) & 0xFFFFFFFF) < 0x80000000
-
-
 def _count(name: str, value: object) -> int:
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
@@ -766,9 +761,11 @@ class KVCacheManager:
             effective = min(limit, self.geometry.num_pages * bundle) // bundle * bundle
             pending = False
             if self.limits is not None:
+                from kvcached.control import revision_acked
+
                 written = int(self.limits.tracker.set_limit(effective))
                 deadline = time.monotonic() + max(0.0, float(wait_s))
-                while not _revision_reached(self.limits.applied_revision, written):
+                while not revision_acked(self.limits.applied_revision, written):
                     if time.monotonic() >= deadline:
                         pending = True
                         break
