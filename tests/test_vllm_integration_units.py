@@ -111,7 +111,7 @@ def _fake_vllm(root, version: str) -> str:
 def test_unsupported_vllm_stops_at_import_with_one_line_naming_the_range(tmp_path):
     from kvcached.integration.vllm.versions import SUPPORTED
 
-    path = _fake_vllm(tmp_path, "0.29.0")
+    path = _fake_vllm(tmp_path, "0.25.0")
     code = """
         from kvcached import autopatch
         autopatch.install()   # what the .pth does at interpreter start
@@ -122,7 +122,7 @@ def test_unsupported_vllm_stops_at_import_with_one_line_naming_the_range(tmp_pat
     assert out.returncode == 1 and "imported" not in out.stdout
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr  # SystemExit: no traceback
-    assert lines[0].startswith(f"kvcached supports vLLM {SUPPORTED} but vLLM 0.29.0 is installed")
+    assert lines[0].startswith(f"kvcached supports vLLM {SUPPORTED} but vLLM 0.25.0 is installed")
     assert "unset ENABLE_KVCACHED" in lines[0] and "KVCACHED_ALLOW_UNSUPPORTED=1" in lines[0]
     # The plugin entry point (no import hook) stops the same way.
     out = _run(
@@ -137,7 +137,7 @@ def test_unsupported_vllm_stops_at_import_with_one_line_naming_the_range(tmp_pat
     assert out.returncode == 0 and "imported" in out.stdout, out.stderr
 
 
-def test_allow_unsupported_patches_anyway_with_one_warning_naming_the_broken_seams(tmp_path):
+def test_allow_unsupported_patches_anyway_with_one_warning(tmp_path):
     from kvcached.integration.vllm import versions
 
     code = """
@@ -150,22 +150,37 @@ def test_allow_unsupported_patches_anyway_with_one_warning_naming_the_broken_sea
         print(".".join(map(str, m.patch_version)), sorted({r.status for r in m.results.values()}))
     """
     env = {"ENABLE_KVCACHED": "true", "KVCACHED_ALLOW_UNSUPPORTED": "1"}
-    out = _run(code, env, _fake_vllm(tmp_path, "0.29.0"))
+    out = _run(code, env, _fake_vllm(tmp_path, "0.25.0"))
     assert out.returncode == 0, out.stderr
     low = ".".join(map(str, versions.SUPPORTED.low))
     assert out.stdout.split()[0] == low  # the patches of the nearest supported version
     warnings = [ln for ln in out.stderr.splitlines() if "KVCACHED_ALLOW_UNSUPPORTED" in ln]
     assert len(warnings) == 1, out.stderr
-    applied = {p.name for p in versions.all_patches() if versions.SUPPORTED.clamp((0, 29, 0)) in p.versions}
-    broken = sorted(p for (p, m) in versions.KNOWN_BREAKS if m == "0.29" and p in applied)
-    assert broken and f"known to fail on vLLM 0.29: {', '.join(broken)}" in warnings[0]
-    # A minor nobody read: the warning says so.
+    assert "the seams of vLLM 0.25 were never checked" in warnings[0]
+    # Above the range: the newest minor's patches.
     out = _run(code, env, _fake_vllm(tmp_path, "0.99.1"))
     assert out.returncode == 0, out.stderr
-    assert "the seams of vLLM 0.99 were never checked" in out.stderr
+    assert out.stdout.split()[0] == "0.34.0" and "the seams of vLLM 0.99 were never checked" in out.stderr
     # A typo in the switch stops start-up.
-    out = _run(code, {**env, "KVCACHED_ALLOW_UNSUPPORTED": "yess"}, _fake_vllm(tmp_path / "t", "0.29.0"))
+    out = _run(code, {**env, "KVCACHED_ALLOW_UNSUPPORTED": "yess"}, _fake_vllm(tmp_path / "t", "0.25.0"))
     assert out.returncode != 0 and "KVCACHED_ALLOW_UNSUPPORTED='yess' is not a boolean" in out.stderr
+
+
+def test_unsupported_warning_names_the_seams_known_to_break_on_a_checked_minor():
+    """A checked minor outside the range (as 0.29 would be if the range started at
+    0.30): the warning names the applied patches whose contracts fail there."""
+    from kvcached.integration.vllm import versions
+
+    text = versions.unsupported_warning("0.29.0", (0, 29, 0), (0, 30, 0))
+    applied = {p.name for p in versions.all_patches() if (0, 30, 0) in p.versions}
+    broken = sorted(p for (p, m) in versions.KNOWN_BREAKS if m == "0.29" and p in applied)
+    assert broken == ["block_owner_by_reference", "kv_blocks_per_tensor"]
+    assert f"known to fail on vLLM 0.29: {', '.join(broken)}" in text
+    # Every checked minor is supported now: each one's patches all fit it.
+    for minor in versions.CHECKED_MINORS:
+        v = (0, int(minor.split(".")[1]), 0)
+        assert v in versions.SUPPORTED
+        assert "every seam contract of these patches holds" in versions.unsupported_warning(minor, v, v)
 
 
 def test_supported_vllm_activates_and_names_the_instance(tmp_path):
@@ -355,12 +370,34 @@ def test_vllm_patch_table_covers_every_seam():
         "gpu_worker_capacity",
         "cpu_worker_startup_check_0_32",
         "engine_core_idle_return",
+        "runner_v1_kv_buffer_0_28",
+        "runner_v2_kv_buffer_0_28",
     ):
         assert needed in names
     for mod in versions.ALLOCATE_KV_CACHE_IMPORTERS:
         assert f"allocate_kv_cache_by_name:{mod}" in names
     assert (0, 32, 0) in names["cpu_worker_startup_check_0_32"].versions
     assert (0, 33, 0) not in names["cpu_worker_startup_check_0_32"].versions
+
+
+def test_every_supported_minor_gets_exactly_one_patch_per_seam_shape():
+    """Where vLLM changed a seam, each shape has its own patch: every supported minor
+    gets exactly one of them (a gap would run a patch on a shape it was not written for)."""
+    from kvcached.integration.vllm import versions
+
+    shapes = {
+        "block owner": {"block_owner_none_0_29", "block_owner_by_reference", "block_owner_weakref"},
+        "KVCacheTensor": {"kv_tensors_shared_by_0_28", "kv_tensors_by_layers"},
+        "KV buffer": {"runner_v1_kv_buffer_0_28", "worker_allocate_kv_cache"},
+    }
+    for minor in range(26, 35):
+        active = {p.name for p in versions.all_patches() if (0, minor, 0) in p.versions}
+        for seam, names in shapes.items():
+            assert len(active & names) == 1, (minor, seam, active & names)
+        # The V2 runner has its own patch where the runners allocate; blocks per tensor where allocate_kv_cache does.
+        assert ("runner_v2_kv_buffer_0_28" in active) == (minor <= 28)
+        assert len(active & {"kv_blocks_uniform_0_29", "kv_blocks_per_tensor"}) == (minor >= 29)
+        assert ("no_reuse_watchers_0_29" in active) == (minor <= 29)
 
 
 # -------------------------------------------------------------- layout plan
@@ -427,6 +464,58 @@ def test_plan_refuses_what_it_cannot_back():
     cfg.kv_cache_tensors[0].host_resident = False
     plan = KVLayoutPlan.from_kv_cache_config(cfg, 2 * MiB)
     assert plan.physical_pages(1) == (1, 17)
+
+
+def _shared_by_config(num_blocks: int, block_bytes: int, **tensor) -> SimpleNamespace:
+    """A vLLM 0.26-0.28 KV cache config: one KVCacheTensor(size, shared_by) per layer."""
+    spec = FullAttentionSpec(page_size_bytes=block_bytes, block_size=16)
+    tensors = [
+        SimpleNamespace(
+            **{"size": num_blocks * block_bytes, "shared_by": [f"l{i}"], "offset": 0, "block_stride": 0, **tensor}
+        )
+        for i in range(2)
+    ]
+    groups = [SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=spec)]
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def test_plan_of_vllm_026_buffers_lays_them_end_to_end_page_aligned(monkeypatch):
+    from kvcached.integration.vllm import kv_layout
+
+    monkeypatch.setattr(KVLayoutPlan, "tensor_reader", staticmethod(kv_layout.read_shared_by_tensors))
+    # 10 blocks of 48 KiB per layer: 480 KiB, padded to 512 KiB (128 KiB pages).
+    plan = KVLayoutPlan.from_kv_cache_config(_shared_by_config(10, 48 * KiB), 128 * KiB)
+    assert [p.offset for p in plan.placements] == [0, 512 * KiB]
+    assert plan.buffer_size == plan.mapped_size == 1 * MiB and plan.block_tokens == 16
+    assert plan.physical_pages(0) == (0, 4)  # blocks 0-1 of each layer: one page per layer, none shared
+    last = plan.num_logical_pages - 1
+    assert not set(plan.physical_pages(last)) & set(plan.physical_pages(0))
+    with pytest.raises(InvalidArgumentError, match=r"packed KV layout.*DeepSeek V4") as e:
+        KVLayoutPlan.from_kv_cache_config(_shared_by_config(10, 48 * KiB, block_stride=96 * KiB), 128 * KiB)
+    assert "\n" not in str(e.value)
+    with pytest.raises(InvalidArgumentError, match=r"has 1 B, not 10 blocks x 49152 B"):
+        KVLayoutPlan.from_kv_cache_config(_shared_by_config(10, 48 * KiB, size=1), 128 * KiB)
+
+
+def test_views_of_runner_buffers_must_put_blocks_outermost():
+    torch = pytest.importorskip("torch")
+    from kvcached.integration.vllm import kv_layout, worker_kv
+
+    cfg = _shared_by_config(8, 8 * KiB)
+    old = KVLayoutPlan.tensor_reader
+    KVLayoutPlan.tensor_reader = staticmethod(kv_layout.read_shared_by_tensors)
+    try:
+        raw = torch.zeros(8 * 8 * KiB, dtype=torch.int8)
+        blocks_first = raw.view(torch.float32).view(8, 2, 16, 64)  # (B, H, N, 2*D): FlashAttention, CPU
+        split = raw.view(torch.float32).view(16, 2, 8, 64)  # kernel blocks of half a block
+        hnd = raw.view(torch.float32).view(8, 16, 2, 64).permute(0, 2, 1, 3)  # a stride order, blocks still first
+        worker_kv.check_blocks_outermost({"l0": blocks_first, "l1": split, "l2": hnd, "m": [raw]}, cfg)
+        kv_first = raw.view(torch.float32).view(2, 8, 16, 2, 32)  # ROCm attention: (2, B, N, H, D)
+        with pytest.raises(InvalidArgumentError, match=r"view of l1 .* does not put blocks outermost") as e:
+            worker_kv.check_blocks_outermost({"l0": blocks_first, "l1": kv_first}, cfg)
+        assert "\n" not in str(e.value) and "unset ENABLE_KVCACHED" in str(e.value)
+    finally:
+        KVLayoutPlan.tensor_reader = old
 
 
 def _spec_class(name: str) -> type:

@@ -422,6 +422,25 @@ def calls_in(mod: str, qual: str, callee: str, keywords: Sequence[str] = ()) -> 
     return check
 
 
+def lacks(mod: str, cls: str, names: Sequence[str]) -> Check:
+    """Class ``cls`` exists and neither defines nor sets (itself) any of ``names``: the
+    shape a patch for an older engine relies on (e.g. no ``KVCacheBlock.pool`` before 0.30)."""
+
+    def check(tree: Tree) -> Finding:
+        m, c, fail = _class_or_fail(tree, mod, cls)
+        if fail:
+            return fail
+        assert m is not None and c is not None
+        present = [n for n in names if n in c["methods"] or n in c["attrs"]]
+        if present:
+            n = present[0]
+            line = c["methods"][n]["line"] if n in c["methods"] else c["attrs"][n]
+            return Finding(False, m.at(line), f"{cls} has {', '.join(present)}")
+        return Finding(True, m.at(c["line"]), f"{cls} has no {', '.join(names)}")
+
+    return check
+
+
 def class_member(mod: str, cls: str, member: str) -> Check:
     """An enum (or any class) member ``cls.member`` assigned in the class body."""
 

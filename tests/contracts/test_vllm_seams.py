@@ -58,6 +58,7 @@ from seam_ast import (  # noqa: E402
     defines,
     has_methods,
     importers_within,
+    lacks,
     mentions,
     methods_touching,
     module_binds,
@@ -81,6 +82,9 @@ KVI = "vllm.v1.kv_cache_interface"
 WUTILS = "vllm.v1.worker.utils"
 CPUW = "vllm.v1.worker.cpu_worker"
 GPUW = "vllm.v1.worker.gpu_worker"
+GPUMR = "vllm.v1.worker.gpu_model_runner"
+CPUMR = "vllm.v1.worker.cpu_model_runner"
+V2ATTN = "vllm.v1.worker.gpu.attn_utils"
 
 # BlockPool methods that use self.free_block_queue, read against ElasticBlockPool
 # (which keeps only evictable cached blocks there): overridden, or compatible.
@@ -96,15 +100,24 @@ BLOCK_POOL_QUEUE_USERS = {
 }
 
 # What kv_layout.KVLayoutPlan.from_kv_cache_config and worker_kv read from the
-# KV cache config, in the scheduler (VllmBackend.create) and in every worker.
+# KV cache config, in the scheduler (VllmBackend.create) and in every worker,
+# whatever the KVCacheTensor shape (kv_tensors_* patches have their own).
 LAYOUT = [
-    sets_attrs(KVI, "KVCacheTensor", ["size", "layers", "layer_stride", "block_stride", "offset"]),
     sets_attrs(KVI, "KVCacheSpec", ["block_size"]),
     has_methods(KVI, "KVCacheSpec", ["page_size_bytes"]),
     sets_attrs(KVI, "KVCacheConfig", ["num_blocks", "kv_cache_tensors", "kv_cache_groups"]),
     sets_attrs(KVI, "KVCacheGroupSpec", ["layer_names", "kv_cache_spec"]),
     sets_attrs(KVI, "UniformTypeKVCacheSpecs", ["kv_cache_specs"], bases_in=(KVI,)),
 ]
+
+# What worker_kv reads in a worker process to name its instance and socket.
+WORKER_RANKS = all_of(
+    defines("vllm.distributed.parallel_state", "get_tp_group"),
+    defines("vllm.distributed.parallel_state", "get_pp_group"),
+    defines("vllm.distributed.parallel_state", "get_dp_group"),
+    sets_attrs("vllm.distributed.parallel_state", "GroupCoordinator", ["rank_in_group", "world_size"]),
+    has_methods("vllm.platforms.interface", "Platform", ["is_rocm"]),
+)
 
 CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
     "elastic_block_pool": [
@@ -128,7 +141,6 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
                     "num_gpu_blocks",
                     "enable_caching",
                     "metrics_collector",
-                    "_reuse_watchers",
                 ],
             ),
         ),
@@ -145,8 +157,16 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
                     "reset_prefix_cache",
                     "get_usage",
                     "_maybe_evict_cached_block",
-                    "_notify_reuse",
                 ],
+            ),
+        ),
+        (
+            "get_new_blocks tells BlockPool's reuse watchers, or there are none (<=0.29: no_reuse_watchers_0_29)",
+            any_of(
+                all_of(
+                    sets_attrs(BP, "BlockPool", ["_reuse_watchers"]), has_methods(BP, "BlockPool", ["_notify_reuse"])
+                ),
+                lacks(BP, "BlockPool", ["_reuse_watchers", "_notify_reuse", "unpin_blocks"]),
             ),
         ),
         (
@@ -155,9 +175,7 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
         ),
         (
             "KVCacheBlock fields",
-            sets_attrs(
-                KVU, "KVCacheBlock", ["block_id", "ref_cnt", "pool", "is_null", "prev_free_block", "next_free_block"]
-            ),
+            sets_attrs(KVU, "KVCacheBlock", ["block_id", "ref_cnt", "is_null", "prev_free_block", "next_free_block"]),
         ),
         (
             "KVCacheBlock.block_hash (property or field)",
@@ -295,17 +313,7 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
             "create_kv_cache_views(raw, spec, num_blocks, layout, tensor, kernel_block_size)",
             signature(KVI, "create_kv_cache_views", has=("spec", "num_blocks", "layout", "kernel_block_size")),
         ),
-        ("KVCacheConfig.num_blocks_of", has_methods(KVI, "KVCacheConfig", ["num_blocks_of"])),
-        (
-            "worker ranks (parallel_state groups) and platform",
-            all_of(
-                defines("vllm.distributed.parallel_state", "get_tp_group"),
-                defines("vllm.distributed.parallel_state", "get_pp_group"),
-                defines("vllm.distributed.parallel_state", "get_dp_group"),
-                sets_attrs("vllm.distributed.parallel_state", "GroupCoordinator", ["rank_in_group", "world_size"]),
-                has_methods("vllm.platforms.interface", "Platform", ["is_rocm"]),
-            ),
-        ),
+        ("worker ranks (parallel_state groups) and platform", WORKER_RANKS),
         ("every by-name importer of allocate_kv_cache is patched", None),  # filled in below
     ]
     + [("KV cache config read by the layout plan", all_of(*LAYOUT))],
@@ -380,6 +388,107 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
             "CPUWorker.__init__ refuses start-up unless kv_cache_memory_bytes is set (what the patch defuses)",
             mentions(CPUW, "CPUWorker.__init__", "kv_cache_memory_bytes"),
         ),
+    ],
+    "block_owner_none_0_29": [
+        ("KVCacheBlock has no pool field (a pool frees only its own blocks)", lacks(KVU, "KVCacheBlock", ["pool"])),
+    ],
+    "no_reuse_watchers_0_29": [
+        (
+            "BlockPool has no reuse watchers and no unpin_blocks (nothing waits for a block's reuse)",
+            lacks(BP, "BlockPool", ["_reuse_watchers", "_notify_reuse", "unpin_blocks"]),
+        ),
+    ],
+    "kv_tensors_by_layers": [
+        (
+            "KVCacheTensor(size, layers, layer_stride, block_stride, offset)",
+            sets_attrs(KVI, "KVCacheTensor", ["size", "layers", "layer_stride", "block_stride", "offset"]),
+        ),
+    ],
+    "kv_tensors_shared_by_0_28": [
+        (
+            "KVCacheTensor(size, shared_by, offset, block_stride) (no layers, no layer_stride)",
+            all_of(
+                sets_attrs(KVI, "KVCacheTensor", ["size", "shared_by", "offset", "block_stride"]),
+                lacks(KVI, "KVCacheTensor", ["layers", "layer_stride"]),
+            ),
+        ),
+        (
+            "one tensor of page_size x num_blocks per slot, shared_by one layer per group",
+            calls_in(KVU, "get_kv_cache_config_from_groups", "KVCacheTensor", keywords=("size", "shared_by")),
+        ),
+    ],
+    "kv_blocks_per_tensor": [
+        ("KVCacheConfig.num_blocks_of", has_methods(KVI, "KVCacheConfig", ["num_blocks_of"])),
+        (
+            "allocate_kv_cache cuts each tensor's views with num_blocks_of",
+            calls_in(WUTILS, "allocate_kv_cache", ".num_blocks_of"),
+        ),
+    ],
+    "kv_blocks_uniform_0_29": [
+        ("KVCacheConfig has no num_blocks_of", lacks(KVI, "KVCacheConfig", ["num_blocks_of"])),
+        ("allocate_kv_cache uses kv_cache_config.num_blocks", mentions(WUTILS, "allocate_kv_cache", "num_blocks")),
+    ],
+    "runner_v1_kv_buffer_0_28": [
+        (
+            "worker_kv's wrapper takes GPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)",
+            all_of(
+                signature(GPUMR, "GPUModelRunner._allocate_kv_cache_tensors", exactly=("self", "kv_cache_config")),
+                accepts_engine_call(
+                    GPUMR,
+                    "GPUModelRunner._allocate_kv_cache_tensors",
+                    ROOT / "kvcached/integration/vllm/worker_kv.py",
+                    "_allocate_kv_cache_tensors",
+                ),
+            ),
+        ),
+        (
+            "initialize_kv_cache_tensors allocates, then reshapes (the views are checked after)",
+            all_of(
+                calls_in(GPUMR, "GPUModelRunner.initialize_kv_cache_tensors", "._allocate_kv_cache_tensors"),
+                calls_in(GPUMR, "GPUModelRunner.initialize_kv_cache_tensors", "._reshape_kv_cache_tensors"),
+                callers_within(
+                    GPUMR, "GPUModelRunner", ("._allocate_kv_cache_tensors",), ("initialize_kv_cache_tensors",)
+                ),
+            ),
+        ),
+        (
+            "GPUModelRunner.kv_cache_config and device (read by the wrappers)",
+            sets_attrs(GPUMR, "GPUModelRunner", ["kv_cache_config", "device"]),
+        ),
+        (
+            "CPUModelRunner(GPUModelRunner) inherits both (the CPU engine takes the same path)",
+            all_of(
+                subclass(CPUMR, "CPUModelRunner", "GPUModelRunner"),
+                lacks(
+                    CPUMR,
+                    "CPUModelRunner",
+                    ["_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors", "initialize_kv_cache_tensors"],
+                ),
+            ),
+        ),
+        ("worker ranks (parallel_state groups) and platform", WORKER_RANKS),
+        ("KV cache config read by the layout plan", all_of(*LAYOUT)),
+    ],
+    "runner_v2_kv_buffer_0_28": [
+        (
+            "worker_kv's wrapper takes attn_utils._allocate_kv_cache(kv_cache_config, shared_layers, device)",
+            all_of(
+                signature(V2ATTN, "_allocate_kv_cache", exactly=("kv_cache_config", "shared_layers", "device")),
+                accepts_engine_call(
+                    V2ATTN, "_allocate_kv_cache", ROOT / "kvcached/integration/vllm/worker_kv.py", "_allocate_kv_cache"
+                ),
+            ),
+        ),
+        (
+            "init_kv_cache allocates, then reshapes naming kv_cache_config (looked up in this module)",
+            all_of(
+                calls_in(V2ATTN, "init_kv_cache", "_allocate_kv_cache"),
+                calls_in(V2ATTN, "init_kv_cache", "_reshape_kv_cache", keywords=("kv_cache_config",)),
+                signature(V2ATTN, "_reshape_kv_cache", has=("kv_cache_config",)),
+            ),
+        ),
+        ("worker ranks (parallel_state groups) and platform", WORKER_RANKS),
+        ("KV cache config read by the layout plan", all_of(*LAYOUT)),
     ],
 }
 

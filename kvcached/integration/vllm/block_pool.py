@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import MappingProxyType
 from typing import Any, Dict, Iterable, List
 
 from vllm.v1.core.block_pool import BlockPool
@@ -64,6 +65,11 @@ class PoolShortage(Exception):
 # A block whose owning pool was garbage-collected (vLLM 0.34 keeps weak
 # references): vLLM drops such blocks when they are freed.
 GONE = object()
+
+
+def owner_none(pool: BlockPool, block: KVCacheBlock) -> Any:
+    """vLLM 0.26-0.29: a block does not name its pool; every block a pool frees is its own."""
+    return None
 
 
 def owner_by_reference(pool: BlockPool, block: KVCacheBlock) -> Any:
@@ -378,6 +384,17 @@ def patch_coordinator_module(module: Any) -> None:
 def use_weak_block_owners(module: Any) -> None:
     """vLLM 0.34: blocks name their pool by ``weakref.ref`` (``block_owner_weakref``)."""
     ElasticBlockPool.foreign_owner = staticmethod(owner_by_weakref)
+
+
+def use_unowned_blocks(module: Any) -> None:
+    """vLLM 0.26-0.29: blocks have no ``pool`` field (``block_owner_none_0_29``)."""
+    ElasticBlockPool.foreign_owner = staticmethod(owner_none)
+
+
+def use_no_reuse_watchers(module: Any) -> None:
+    """vLLM 0.26-0.29: ``BlockPool`` has no ``_reuse_watchers`` (no ``unpin_blocks``, so
+    nobody waits for a block's reuse): ``get_new_blocks`` reads an empty, read-only one."""
+    ElasticBlockPool._reuse_watchers = MappingProxyType({})  # type: ignore[attr-defined]
 
 
 def use_block_owners_by_reference(module: Any) -> None:

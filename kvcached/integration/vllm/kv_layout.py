@@ -1,6 +1,6 @@
 """Where vLLM's KV blocks lie in its one KV buffer, in kvcached pages.
 
-vLLM (0.29-0.34) allocates one int8 buffer of ``size`` bytes and cuts per-layer
+vLLM 0.29-0.34 allocate one int8 buffer of ``size`` bytes and cut per-layer
 views from it. Each ``KVCacheTensor(size, layers, layer_stride, block_stride,
 offset)`` says: layer ``l``'s block ``b`` starts at byte
 ``offset + l * layer_stride + b * block_stride`` and is ``block_bytes`` long
@@ -19,6 +19,10 @@ BLHNC ``num_layers`` consecutive pages. Regions that are not page aligned make
 neighbouring logical pages share a physical page; the worker counts
 references for that (``worker_executor``).
 
+vLLM 0.26-0.28 allocate one buffer per ``KVCacheTensor(size, shared_by)``
+instead (``read_shared_by_tensors``): kvcached lays those buffers end to end,
+page aligned, in one FTensor, and each becomes a placement of one layer.
+
 Pure arithmetic on plain attributes: no vLLM or torch import, so the same
 plan is built in the scheduler and in every worker and tested without vLLM.
 """
@@ -26,7 +30,7 @@ plan is built in the scheduler and in every worker and tested without vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
 
 from kvcached.block_geometry import BlockGeometry
 from kvcached.errors import InvalidArgumentError
@@ -45,6 +49,10 @@ class Placement:
 
 class KVLayoutPlan:
     """Logical kvcached pages of vLLM's KV buffer and the physical pages behind them."""
+
+    # How a KVCacheConfig's tensors are read: ``read_layer_tensors`` (vLLM 0.29+)
+    # or ``read_shared_by_tensors`` (0.26-0.28); versions.py picks per version.
+    tensor_reader: Callable[..., Tuple[int, List[Placement], int]]
 
     def __init__(
         self,
@@ -93,48 +101,16 @@ class KVLayoutPlan:
 
     @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any, page_size: int) -> KVLayoutPlan:
-        """The plan of a vLLM ``KVCacheConfig`` (read by attribute, as vLLM 0.29-0.34 define it)."""
+        """The plan of a vLLM ``KVCacheConfig``, its tensors read by ``tensor_reader``
+        (which vLLM's ``KVCacheTensor`` shape: set per version by ``versions.py``)."""
         tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
         if not tensors:
             raise InvalidArgumentError("kvcached: this model has no KV cache tensors; unset ENABLE_KVCACHED")
         refuse_unsupported_model(kv_cache_config)
-        sizes = {int(t.size) for t in tensors}
-        if len(sizes) != 1:
-            raise InvalidArgumentError(
-                f"kvcached: KV cache tensors of different sizes {sorted(sizes)} (vLLM expects one)"
-            )
         groups = list(kv_cache_config.kv_cache_groups)
-        placements: List[Placement] = []
-        block_tokens = None
-        for t in tensors:
-            if getattr(t, "host_resident", False):
-                raise InvalidArgumentError(
-                    "kvcached: host-resident KV tensors (HiSparse) are not supported; unset ENABLE_KVCACHED"
-                )
-            spec = _spec_of(groups, t.layers[0])
-            if not getattr(spec, "has_layer_views", True):
-                raise InvalidArgumentError(
-                    f"kvcached: the KV spec {type(spec).__name__} of {t.layers[0]} has no per-layer block views, "
-                    "so its block addresses are unknown; unset ENABLE_KVCACHED for this model"
-                )
-            placements.append(
-                Placement(
-                    int(getattr(t, "offset", 0)),
-                    len(t.layers),
-                    int(t.layer_stride),
-                    int(t.block_stride),
-                    int(spec.page_size_bytes),
-                )
-            )
-            block_tokens = int(getattr(spec, "block_size", 0) or 0) if block_tokens is None else block_tokens
-        return cls(
-            sizes.pop(),
-            int(kv_cache_config.num_blocks),
-            placements[0].block_bytes,
-            block_tokens or 0,
-            int(page_size),
-            placements,
-        )
+        num_blocks = int(kv_cache_config.num_blocks)
+        buffer_size, placements, block_tokens = cls.tensor_reader(tensors, groups, num_blocks, int(page_size))
+        return cls(buffer_size, num_blocks, placements[0].block_bytes, block_tokens, int(page_size), placements)
 
     # ------------------------------------------------------------------ pages
 
@@ -178,6 +154,74 @@ class KVLayoutPlan:
             f"{len(self.placements)} tensor(s) / {self.num_layers} layers, page {self.page_size} B, "
             f"{self.num_logical_pages} logical pages)"
         )
+
+
+# ---------------------------------------------------------- tensor readers
+
+Read = Tuple[int, List[Placement], int]  # (buffer bytes, placements, tokens per block)
+
+
+def read_layer_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks: int, page_size: int) -> Read:
+    """vLLM 0.29-0.34: ``KVCacheTensor(size, layers, layer_stride, block_stride, offset)``,
+    every tensor a placement in one shared buffer of ``size`` bytes."""
+    sizes = {int(t.size) for t in tensors}
+    if len(sizes) != 1:
+        raise InvalidArgumentError(f"kvcached: KV cache tensors of different sizes {sorted(sizes)} (vLLM expects one)")
+    placements: List[Placement] = []
+    block_tokens = None
+    for t in tensors:
+        if getattr(t, "host_resident", False):
+            raise InvalidArgumentError(
+                "kvcached: host-resident KV tensors (HiSparse) are not supported; unset ENABLE_KVCACHED"
+            )
+        spec = _spec_of(groups, t.layers[0])
+        if not getattr(spec, "has_layer_views", True):
+            raise InvalidArgumentError(
+                f"kvcached: the KV spec {type(spec).__name__} of {t.layers[0]} has no per-layer block views, "
+                "so its block addresses are unknown; unset ENABLE_KVCACHED for this model"
+            )
+        placements.append(
+            Placement(
+                int(getattr(t, "offset", 0)),
+                len(t.layers),
+                int(t.layer_stride),
+                int(t.block_stride),
+                int(spec.page_size_bytes),
+            )
+        )
+        block_tokens = int(getattr(spec, "block_size", 0) or 0) if block_tokens is None else block_tokens
+    return sizes.pop(), placements, block_tokens or 0
+
+
+def read_shared_by_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks: int, page_size: int) -> Read:
+    """vLLM 0.26-0.28: ``KVCacheTensor(size, shared_by, offset, block_stride)``, each
+    tensor its own buffer of ``num_blocks`` blocks, block ``b`` at ``b * page_size_bytes``
+    (blocks outermost: every CUDA and CPU attention backend; the worker checks vLLM's
+    views, ``worker_kv.check_blocks_outermost``). kvcached puts the buffers one after
+    another in one range, each at a page boundary: one placement of one "layer" each."""
+    placements: List[Placement] = []
+    offset = 0
+    block_tokens = None
+    for t in tensors:
+        if int(getattr(t, "block_stride", 0) or 0) > 0:
+            raise InvalidArgumentError(
+                f"kvcached does not support vLLM's packed KV layout yet (KVCacheTensor shared by {t.shared_by[0]} "
+                "has a block_stride: DeepSeek V4 or --enable-cross-layers-blocks); unset ENABLE_KVCACHED"
+            )
+        spec = _spec_of(groups, t.shared_by[0])
+        block_bytes = int(spec.page_size_bytes)
+        if int(t.size) != num_blocks * block_bytes:
+            raise InvalidArgumentError(
+                f"kvcached: the KV cache tensor of {t.shared_by[0]} has {t.size} B, not {num_blocks} blocks x "
+                f"{block_bytes} B; unset ENABLE_KVCACHED for this model"
+            )
+        placements.append(Placement(offset, 1, 0, block_bytes, block_bytes))
+        offset += -(-int(t.size) // page_size) * page_size
+        block_tokens = int(getattr(spec, "block_size", 0) or 0) if block_tokens is None else block_tokens
+    return offset, placements, block_tokens or 0
+
+
+KVLayoutPlan.tensor_reader = staticmethod(read_layer_tensors)  # type: ignore[assignment]
 
 
 # KV cache spec classes kvcached backs: every block is kept until its request

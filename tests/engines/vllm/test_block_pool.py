@@ -2,9 +2,11 @@
 kvcached path (manager -> IPC coordinator -> worker listener -> FTensor), all
 in this process: no engine start, so every branch is cheap to reach.
 
-The KV buffer is laid out as vLLM lays it out (LBHNC, 2 layers, 64 blocks of
-8 KiB per layer); pages are 64 KiB, so 8 blocks per page and one logical page
-maps 2 physical pages (one per layer)."""
+The KV buffer is laid out as the installed vLLM lays it out (2 layers, 64
+blocks of 8 KiB per layer: one LBHNC buffer from 0.29, one buffer per layer
+before); pages are 64 KiB, so 8 blocks per page and one logical page maps 2
+physical pages (one per layer). The installed version's own pool and layout
+patches (versions.py) are applied first, as activation would."""
 
 from __future__ import annotations
 
@@ -19,15 +21,48 @@ P = 64 << 10
 N_BLOCKS = 64
 
 
+def _apply_version_patches() -> tuple:
+    """The installed vLLM's patches of the block pool and KV layout seams (what
+    activation applies in an engine process); returns the version."""
+    import importlib
+
+    import vllm
+
+    from kvcached.integration.patch_base import parse_version
+    from kvcached.integration.vllm import versions
+
+    v = parse_version(vllm.__version__)
+    for patch in versions.all_patches():
+        if v in patch.versions and patch.target_module in ("vllm.v1.core.block_pool", "vllm.v1.kv_cache_interface"):
+            patch.apply(importlib.import_module(patch.target_module))
+    return v
+
+
+def _kv_tensors(block_bytes: int) -> list:
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    if "shared_by" in KVCacheTensor.__dataclass_fields__:  # vLLM 0.26-0.28: one buffer per layer
+        return [KVCacheTensor(size=N_BLOCKS * block_bytes, shared_by=[layer]) for layer in ("l0", "l1")]
+    return [
+        KVCacheTensor(
+            size=2 * N_BLOCKS * block_bytes,
+            layers=["l0", "l1"],
+            layer_stride=N_BLOCKS * block_bytes,
+            block_stride=block_bytes,
+        )
+    ]
+
+
 @pytest.fixture
 def pool(monkeypatch):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvcached.integration.vllm.backend import building_pools
     from kvcached.integration.vllm.block_pool import ElasticBlockPool
     from kvcached.integration.vllm.kv_layout import KVLayoutPlan
     from kvcached.integration.vllm.worker_kv import WorkerKV
 
+    _apply_version_patches()
     name = f"kvt_pool_{os.getpid()}"
     for k, v in dict(
         KVCACHED_IPC_NAME=name,
@@ -42,9 +77,7 @@ def pool(monkeypatch):
     B = spec.page_size_bytes
     kvc = KVCacheConfig(
         num_blocks=N_BLOCKS,
-        kv_cache_tensors=[
-            KVCacheTensor(size=2 * N_BLOCKS * B, layers=["l0", "l1"], layer_stride=N_BLOCKS * B, block_stride=B)
-        ],
+        kv_cache_tensors=_kv_tensors(B),
         kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)],
     )
     worker = WorkerKV.start(KVLayoutPlan.from_kv_cache_config(kvc, P), "cpu", 0, 0, name)
@@ -190,6 +223,10 @@ def test_blocks_of_another_pool_are_forwarded_by_reference_or_weakref(pool, monk
     import weakref
 
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    if "pool" not in KVCacheBlock.__dataclass_fields__:
+        pytest.skip("vLLM <= 0.29: blocks do not name their pool (block_owner_none_0_29): nothing to forward")
 
     from kvcached.integration.vllm import block_pool as bp
 
