@@ -8,6 +8,7 @@ HIP sources are compiled in only where ROCm headers exist.
 import glob
 import os
 import shutil
+import subprocess
 
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import setup
@@ -71,6 +72,16 @@ class BuildPyWithPth(build_py):
         src = os.path.join(HERE, "kvcached_autopatch.pth")
         if os.path.exists(src):
             shutil.copyfile(src, os.path.join(self.build_lib, "kvcached_autopatch.pth"))
+        # The commit this wheel was built from, for `kvctl version` (a source tree asks git).
+        commit = ""
+        try:
+            out = subprocess.run(["git", "-C", HERE, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+            commit = out.stdout.strip() if out.returncode == 0 else ""
+        except OSError:
+            pass
+        if commit:
+            with open(os.path.join(self.build_lib, "kvcached", "_build_info.py"), "w") as f:
+                f.write(f'COMMIT = "{commit}"\n')
 
 
 setup(ext_modules=[ext], cmdclass={"build_py": BuildPyWithPth})
