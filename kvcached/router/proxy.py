@@ -1,0 +1,195 @@
+"""The router's HTTP front: one OpenAI-compatible endpoint over every model.
+
+``POST /v1/...`` (completions, chat completions, anything with a ``model``)
+goes to that model's engine, the response passed through as it arrives
+(streams stay streams: server-sent events are forwarded chunk by chunk).
+``GET /v1/models`` lists the configured models with their state, ``GET
+/health`` says the router is up, ``GET /metrics`` is ``RouterMetrics``.
+Standard library only (``ThreadingHTTPServer`` + ``http.client``): one thread
+per connection, which suits a handful of engines and keeps the package free
+of dependencies.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Optional
+
+from kvcached.router.router import Router
+
+log = logging.getLogger("kvcached.router")
+
+MAX_BODY = 64 << 20  # a request body larger than this is refused (413)
+# Connection-level headers are not forwarded (RFC 9110 7.6.1); lengths are set anew.
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "host",
+}
+
+
+class RouterServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: Any, router: Router) -> None:
+        self.router = router
+        super().__init__(address, RouterHandler)
+
+
+class RouterHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "kvcached-router"
+    server: RouterServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        log.debug("%s %s", self.address_string(), format % args)
+
+    # -- replies -------------------------------------------------------------
+    def _send(self, status: int, body: bytes, ctype: str = "application/json", extra: Optional[Dict] = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj: Any, extra: Optional[Dict] = None) -> None:
+        self._send(status, json.dumps(obj).encode(), extra=extra)
+
+    def _error(self, status: int, message: str, etype: str, code: Optional[str] = None, extra=None) -> None:
+        """An OpenAI-style error body."""
+        self._json(status, {"error": {"message": message, "type": etype, "param": None, "code": code}}, extra)
+
+    # -- routes --------------------------------------------------------------
+    def do_GET(self) -> None:
+        router = self.server.router
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            self._json(200, {"status": "ok", "models": {n: e.state for n, e in router.engines.items()}})
+        elif path == "/v1/models":
+            now = int(time.time())
+            data = [
+                {"id": n, "object": "model", "created": now, "owned_by": "kvcached-router", "state": e.state}
+                for n, e in router.engines.items()
+            ]
+            self._json(200, {"object": "list", "data": data})
+        elif path == "/metrics":
+            text = router.metrics.render(router.engines.values()).encode()
+            self._send(200, text, "text/plain; version=0.0.4; charset=utf-8")
+        else:
+            self._error(404, f"no route GET {path}", "not_found_error")
+
+    def do_POST(self) -> None:
+        router = self.server.router
+        if not self.path.startswith("/v1/"):
+            self._error(404, f"no route POST {self.path}", "not_found_error")
+            return
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            self._error(411, "a Content-Length header is required", "invalid_request_error")
+            return
+        if int(length) > MAX_BODY:
+            self.close_connection = True
+            self._error(413, f"request body over {MAX_BODY} bytes", "invalid_request_error")
+            return
+        body = self.rfile.read(int(length))
+        try:
+            req = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self._error(400, "the request body is not JSON", "invalid_request_error")
+            return
+        model = req.get("model") if isinstance(req, dict) else None
+        if not isinstance(model, str) or not model:
+            self._error(400, "the request names no model ('model')", "invalid_request_error", "model_not_found")
+            return
+        if model not in router.engines:
+            known = ", ".join(sorted(router.engines))
+            self._error(
+                404, f"model {model!r} is not served here; known: {known}", "invalid_request_error", "model_not_found"
+            )
+            return
+        self._route(model, body)
+
+    def _route(self, model: str, body: bytes) -> None:
+        router = self.server.router
+        engine = router.engines[model]
+        for attempt in (0, 1):
+            if not router.acquire(model):
+                status = 503
+                router.metrics.request(model, status)
+                self._error(
+                    status,
+                    f"model {model!r} is not serving within {router.config.wake_timeout_s:g} s (state {engine.state})",
+                    "service_unavailable",
+                    extra={"Retry-After": "10"},
+                )
+                return
+            try:
+                status = self._forward(engine.host, engine.port, body)
+            finally:
+                router.release(model)
+            # The engine died under us before answering: wait for its restart once.
+            if status != 0 or attempt == 1 or not engine.check_exited():
+                break
+        if status == 0:
+            status = 502
+            self._error(status, f"the engine of model {model!r} did not answer", "bad_gateway")
+        router.metrics.request(model, status)
+
+    def _forward(self, host: str, port: int, body: bytes) -> int:
+        """Sends the request on and streams the answer back; its status, 0 when the
+        engine gave none (nothing was sent to the client then)."""
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["Content-Length"] = str(len(body))
+        conn = http.client.HTTPConnection(host, port, timeout=self.server.router.config.request_timeout_s)
+        try:
+            try:
+                conn.request("POST", self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException):
+                return 0
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in HOP_BY_HOP:
+                    self.send_header(k, v)
+            if resp.length is not None:  # a sized body: same size
+                self.send_header("Content-Length", str(resp.length))
+                self.end_headers()
+                self._copy(resp, chunked=False)
+            else:  # a stream: re-chunked as it arrives
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self._copy(resp, chunked=True)
+            return resp.status
+        finally:
+            conn.close()
+
+    def _copy(self, resp: http.client.HTTPResponse, chunked: bool) -> None:
+        try:
+            while True:
+                data = resp.read1(65536)
+                if not data:
+                    break
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+                self.wfile.flush()
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
+        except (OSError, http.client.HTTPException) as e:
+            # The engine died mid-answer or the client went away: end this connection
+            # (an unterminated chunked body tells the client the answer is incomplete).
+            log.warning("%s: response cut off: %s", self.path, e)
+            self.close_connection = True
