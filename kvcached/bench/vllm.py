@@ -127,17 +127,21 @@ def _pool_bench(steps: int, running: int) -> List[Dict[str, Any]]:
     from kvcached.integration.vllm.block_pool import ElasticBlockPool
     from kvcached.integration.vllm.kv_layout import KVLayoutPlan
     from kvcached.integration.vllm.scheduler_patches import count_steps
+    from kvcached.integration.vllm.versions import apply_installed
     from kvcached.integration.vllm.worker_kv import WorkerKV
 
+    apply_installed(("vllm.v1.core.block_pool", "vllm.v1.kv_cache_interface"))  # this vLLM's pool and layout seams
     n_blocks = 512
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
     B = spec.page_size_bytes
     kvc = KVCacheConfig(
         num_blocks=n_blocks,
         kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)],
-        kv_cache_tensors=[
-            KVCacheTensor(size=2 * n_blocks * B, layers=["l0", "l1"], layer_stride=n_blocks * B, block_stride=B)
-        ],
+        kv_cache_tensors=(
+            [KVCacheTensor(size=n_blocks * B, shared_by=[layer]) for layer in ("l0", "l1")]  # vLLM 0.26-0.28
+            if "shared_by" in KVCacheTensor.__dataclass_fields__
+            else [KVCacheTensor(size=2 * n_blocks * B, layers=["l0", "l1"], layer_stride=n_blocks * B, block_stride=B)]
+        ),
     )
     vc = SimpleNamespace(
         parallel_config=SimpleNamespace(

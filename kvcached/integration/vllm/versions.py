@@ -335,6 +335,25 @@ def all_patches() -> List[BasePatch]:
     return patches
 
 
+def apply_installed(targets: Tuple[str, ...]) -> Version:
+    """Applies now, once per module, the installed vLLM's patches of the modules
+    ``targets`` (what activation does in an engine process; for tests and
+    benchmarks that build pools or buffers without an engine). Returns the version."""
+    import importlib
+
+    import vllm
+
+    from kvcached.integration.patch_base import mark, parse_version
+
+    v = parse_version(vllm.__version__)
+    for patch in all_patches():
+        if v in patch.versions and patch.target_module in targets:
+            module = importlib.import_module(patch.target_module)
+            if mark(module, patch.name):
+                patch.apply(module)
+    return v
+
+
 def _by_name_patcher():
     def apply(module: ModuleType) -> None:
         from kvcached.integration.vllm import worker_kv

@@ -21,23 +21,6 @@ P = 64 << 10
 N_BLOCKS = 64
 
 
-def _apply_version_patches() -> tuple:
-    """The installed vLLM's patches of the block pool and KV layout seams (what
-    activation applies in an engine process); returns the version."""
-    import importlib
-
-    import vllm
-
-    from kvcached.integration.patch_base import parse_version
-    from kvcached.integration.vllm import versions
-
-    v = parse_version(vllm.__version__)
-    for patch in versions.all_patches():
-        if v in patch.versions and patch.target_module in ("vllm.v1.core.block_pool", "vllm.v1.kv_cache_interface"):
-            patch.apply(importlib.import_module(patch.target_module))
-    return v
-
-
 def _kv_tensors(block_bytes: int) -> list:
     from vllm.v1.kv_cache_interface import KVCacheTensor
 
@@ -60,9 +43,10 @@ def pool(monkeypatch):
     from kvcached.integration.vllm.backend import building_pools
     from kvcached.integration.vllm.block_pool import ElasticBlockPool
     from kvcached.integration.vllm.kv_layout import KVLayoutPlan
+    from kvcached.integration.vllm.versions import apply_installed
     from kvcached.integration.vllm.worker_kv import WorkerKV
 
-    _apply_version_patches()
+    apply_installed(("vllm.v1.core.block_pool", "vllm.v1.kv_cache_interface"))  # as activation would
     name = f"kvt_pool_{os.getpid()}"
     for k, v in dict(
         KVCACHED_IPC_NAME=name,

@@ -30,6 +30,7 @@ def test_greedy_tokens_identical_with_and_without_kvcached(kv_run, native_run):
     assert kv_run["tokens1"] == native_run["tokens1"]
     assert kv_run["tokens2"] == native_run["tokens2"] == native_run["tokens1"]
     assert kv_run["tokensB"] == native_run["tokensB"]
+    assert kv_run["tokensC"] == native_run["tokensC"] and kv_run["tokensD"] == native_run["tokensD"]
 
 
 def test_mapped_kv_rises_during_generation_and_falls_back_to_the_reserve(kv_run):

@@ -3,15 +3,20 @@
 * the server's greedy tokens equal vLLM's without kvcached;
 * an engine capped with ``kvctl limit`` below what its load needs preempts and
   completes every request (same tokens), never maps past the limit;
+* under that limit, more shared prefixes than it can hold are evicted and
+  recomputed: the tokens are still vLLM's;
+* a limit lowered while every request decodes: the engine preempts down to it
+  while decoding, every request completes with the same tokens; raised again,
+  it grows;
 * together the two never map past the shared budget, also when both are loaded;
 * with a bounded prefix cache, an engine's memory falls back after the load;
 * an idle engine whose prefix cache holds most of the budget gives it back
   to a loaded peer;
-* ``kill -9`` of an engine leaves a dead record and a stale socket directory,
-  and both are gone once the next engine has started;
+* ``kill -9`` of an engine leaves a dead record and a stale socket directory;
+  an engine restarted under the same name replaces both and serves;
 * stopping a server (SIGTERM) leaves neither.
 
-Three server starts in all (S1 and S2 at once, S3 after the kill)."""
+Three server starts in all (S1 and S2 at once, S3 under S1's name after the kill)."""
 
 from __future__ import annotations
 
@@ -82,6 +87,56 @@ def test_capped_engine_preempts_and_completes_instead_of_crashing(servers, nativ
     assert s2.proc.poll() is None and h.read_record(s2.name)["alive"]
 
 
+def _prefix_hits(srv: h.Server) -> float:
+    return sum(v for k, v in h.metrics(srv).items() if k.startswith("vllm:prefix_cache_hits"))
+
+
+def test_prefixes_evicted_under_a_small_limit_are_recomputed_with_the_same_tokens(servers, native_run):
+    """8 groups' prefix blocks (and their tails) cannot all stay cached in S2's 6
+    blocks: cached prefixes are evicted for new requests, preemption happens too,
+    and the second pass recomputes what was evicted."""
+    s2 = servers["s2"]
+    assert h.read_record(s2.name)["limit"] == CAP  # from the previous test
+    hits = _prefix_hits(s2)
+    with h.Sampler([s2.name], workers=False) as sampler:
+        got1 = _run_all(s2, h.shared_prefix_prompts(), h.PREFIX_DECODE)
+        got2 = _run_all(s2, h.shared_prefix_prompts(), h.PREFIX_DECODE)
+    assert got1 == got2 == native_run["tokensC"]
+    assert _prefix_hits(s2) > hits  # the prefix cache still works under the limit
+    assert max(h.mapped(s[s2.name]) for s in sampler.samples if s.get(s2.name)) <= CAP
+
+
+def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_request_completes(servers, native_run):
+    from kvcached.control import set_instance_memory_limit
+
+    s2 = servers["s2"]
+    assert h.kvctl("limit", s2.name, "4M").returncode == 0
+    preempted = h.metrics(s2).get("vllm:num_preemptions_total", 0)
+    with h.Sampler([s2.name], workers=False, period=0.005) as sampler:
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(_run_all, s2, h.grow_prompts(), h.GROW_DECODE)
+            # Every request prefilled (its first block held): 4 pages + the null
+            # page. Each needs its second block only ~100 decode steps later.
+            deadline = time.monotonic() + 120
+            while h.mapped(h.read_record(s2.name)) < 5 * h.BPP and not fut.done() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            t_drop = time.monotonic()
+            r = set_instance_memory_limit(CAP, name=s2.name, wait_s=0)  # in-process: no interpreter start
+            assert r.status in ("applied", "deferred"), r.message
+            got = fut.result()
+            t_done = time.monotonic()
+    assert got == native_run["tokensD"]  # no request failed; preempted ones recomputed the same tokens
+    assert h.metrics(s2).get("vllm:num_preemptions_total", 0) > preempted
+    during = [h.mapped(s[s2.name]) for s in sampler.samples if t_drop < s["t"] < t_done and s.get(s2.name)]
+    assert during and max(during) > CAP  # it was over the new limit when it was lowered ...
+    assert min(during) <= CAP  # ... and got under it while its requests still decoded
+    # Raised again: the same load grows past the old limit.
+    assert h.kvctl("limit", s2.name, "4M").returncode == 0
+    with h.Sampler([s2.name], workers=False) as sampler:
+        assert _run_all(s2, h.grow_prompts(), h.GROW_DECODE) == native_run["tokensD"]
+    assert max(h.mapped(s[s2.name]) for s in sampler.samples if s.get(s2.name)) > CAP
+
+
 def test_two_loaded_engines_share_one_budget(servers, native_run):
     s1, s2 = servers["s1"], servers["s2"]
     assert h.kvctl("limit", s2.name, "4M").returncode == 0
@@ -131,7 +186,7 @@ def test_an_idle_engine_gives_its_cached_pages_to_a_loaded_peer(servers, native_
     )
 
 
-def test_kill9_leaves_nothing_behind_once_the_next_engine_starts(servers):
+def test_kill9_then_a_restart_under_the_same_name_replaces_the_dead_record_and_serves(servers):
     s1, model, workdir = servers["s1"], servers["model"], servers["workdir"]
     root = h.socket_root(s1.name)
     assert os.path.isdir(root)
@@ -139,12 +194,13 @@ def test_kill9_leaves_nothing_behind_once_the_next_engine_starts(servers):
     rec = h.read_record(s1.name)
     assert rec is not None and not rec["alive"]  # a crash cannot clean up after itself
     assert os.path.isdir(root)
-    name3 = f"kvt_s3_{os.getpid()}"
-    s3 = h.start_server(model, name3, h.engine_env(True, name3, KVCACHED_HOST_MEMORY_BUDGET=str(BUDGET)), workdir)
+    dead_owner = rec["owner_pid"]
+    s3 = h.start_server(model, s1.name, h.engine_env(True, s1.name, KVCACHED_HOST_MEMORY_BUDGET=str(BUDGET)), workdir)
     servers["started"].append(s3)
     h.wait_healthy(s3)
-    assert h.read_record(s1.name) is None
-    assert not os.path.exists(root)
+    rec = h.read_record(s1.name)
+    assert rec is not None and rec["alive"] and rec["owner_pid"] != dead_owner  # the new engine's record
+    assert os.path.isdir(root)
     assert h.complete(s3, h.prompts(1)[0], h.MAX_TOKENS) == h.complete(servers["s2"], h.prompts(1)[0], h.MAX_TOKENS)
 
 

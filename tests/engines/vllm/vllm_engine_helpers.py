@@ -47,6 +47,27 @@ def decode_prompts(n: int = 8) -> List[List[int]]:
     return prompts(n, length=99, seed=2)
 
 
+PREFIX_GROUPS = 8  # shared_prefix_prompts(): more distinct prefix blocks than a 1 MiB limit holds (6)
+PREFIX_DECODE = 20
+
+
+def shared_prefix_prompts(per_group: int = 2) -> List[List[int]]:
+    """``PREFIX_GROUPS`` groups of ``per_group`` prompts; a group shares its first
+    full block (128 tokens: a prefix-cache entry) and has distinct 100-token tails."""
+    heads = prompts(PREFIX_GROUPS, length=BLOCK_TOKENS - 1, seed=4)
+    tails = prompts(PREFIX_GROUPS * per_group, length=101, seed=5)
+    return [heads[g] + tails[g * per_group + i][1:] for g in range(PREFIX_GROUPS) for i in range(per_group)]
+
+
+GROW_DECODE = 200  # tokens generated per request of grow_prompts()
+
+
+def grow_prompts(n: int = 8) -> List[List[int]]:
+    """Short prompts (20 tokens) that need their second block only after ~108 decode
+    steps: time to lower a limit while every request still decodes in its first block."""
+    return prompts(n, length=19, seed=3)
+
+
 def engine_env(kvcached: bool, name: Optional[str] = None, **extra: str) -> Dict[str, str]:
     from kvcached.testing.vllm_server import engine_env as base
 

@@ -86,6 +86,15 @@ def main() -> int:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in h.decode_prompts()], spb, use_tqdm=False)
     res["tokensB"] = [list(o.outputs[0].token_ids) for o in outs]
 
+    # Workload C: groups sharing a prefix block (prefix eviction under a small limit)
+    # and D: long decodes of short prompts (a limit lowered while decoding).
+    spc = SamplingParams(temperature=0, max_tokens=h.PREFIX_DECODE, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in h.shared_prefix_prompts()], spc, use_tqdm=False)
+    res["tokensC"] = [list(o.outputs[0].token_ids) for o in outs]
+    spd = SamplingParams(temperature=0, max_tokens=h.GROW_DECODE, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in h.grow_prompts()], spd, use_tqdm=False)
+    res["tokensD"] = [list(o.outputs[0].token_ids) for o in outs]
+
     res["reset"] = bool(llm.reset_prefix_cache())
     if sampler:
         time.sleep(0.3)
