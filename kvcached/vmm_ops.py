@@ -14,6 +14,7 @@ chunk_elems)``; the bytes each view addresses are identical between layouts.
 
 from __future__ import annotations
 
+import logging
 from typing import List, Optional, Sequence, Tuple, Union
 
 from kvcached import _C, config
@@ -41,8 +42,16 @@ def init_kvcached(
 
 
 def shutdown_kvcached() -> None:
-    """Releases every physical page. Tensors still held stay valid (zero page)."""
-    _C.shutdown_kvcached()
+    """Releases every physical page, quarantined ones too where the driver
+    allows (a warning names what it does not). Tensors still held stay valid
+    (zero page)."""
+    left = int(_C.shutdown_kvcached())
+    if left:
+        logging.getLogger(__name__).warning(
+            "kvcached: %d bytes of KV memory could not be released at shutdown (the driver refused); "
+            "they stay allocated until this process exits",
+            left,
+        )
 
 
 def _torch_dtype(torch, dtype: Union[int, object]):
@@ -130,31 +139,31 @@ def kv_tensors_created(group_id: int = 0) -> bool:
 
 def map_to_kv_tensors(offsets: Sequence[int], group_id: int = 0) -> None:
     """Maps every layer and K/V buffer at each offset, all or nothing."""
-    _C.map_to_kv_tensors(list(offsets), group_id)
+    _C.map_to_kv_tensors(offsets, group_id)
 
 
 def map_to_kv_tensors_with_result(offsets: Sequence[int], group_id: int = 0) -> Tuple[List[int], List[int]]:
     """Idempotent map for retries: returns (newly_mapped, already_mapped)."""
-    return _C.map_to_kv_tensors_with_result(list(offsets), group_id)
+    return _C.map_to_kv_tensors_with_result(offsets, group_id)
 
 
 def unmap_from_kv_tensors(offsets: Sequence[int], group_id: int = 0) -> None:
-    _C.unmap_from_kv_tensors(list(offsets), group_id)
+    _C.unmap_from_kv_tensors(offsets, group_id)
 
 
 def prepare_unmap_from_kv_tensors(tx_id: int, offsets: Sequence[int], group_id: int = 0) -> None:
     """Phase one: unmap, map the zero page back, keep the physical handles."""
-    _C.prepare_unmap_from_kv_tensors(int(tx_id), list(offsets), group_id)
+    _C.prepare_unmap_from_kv_tensors(tx_id, offsets, group_id)
 
 
 def commit_unmap_from_kv_tensors(tx_id: int, group_id: int = 0) -> None:
     """Phase two: release the retained handles. Repeats are no-ops."""
-    _C.commit_unmap_from_kv_tensors(int(tx_id), group_id)
+    _C.commit_unmap_from_kv_tensors(tx_id, group_id)
 
 
 def abort_unmap_from_kv_tensors(tx_id: int, group_id: int = 0) -> None:
     """Undo phase one: map the retained handles back, data intact."""
-    _C.abort_unmap_from_kv_tensors(int(tx_id), group_id)
+    _C.abort_unmap_from_kv_tensors(tx_id, group_id)
 
 
 def unmap_transaction_outcome(tx_id: int, group_id: int = 0) -> str:
@@ -165,6 +174,10 @@ def unmap_transaction_outcome(tx_id: int, group_id: int = 0) -> str:
 def group_info(group_id: int = 0) -> dict:
     return _C.group_info(group_id)
 
+
+# Offsets, ids and group ids go to the extension as given: it checks each one
+# (an integer, numpy and torch integers included; not a bool, a float or a
+# string) and raises InvalidArgumentError naming the argument.
 
 # --- torch.ops.kvcached.* -----------------------------------------------------
 

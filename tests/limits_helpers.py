@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any, Dict, List, Optional
 
@@ -61,6 +62,22 @@ class Worker:
             raise RuntimeError(f"worker {self.name} died: {self.proc.stderr.read()}")
         return json.loads(line)
 
+    def wait_stderr(self, text: str, timeout: float = 30.0) -> str:
+        """Reads the worker's stderr until a line contains ``text``; returns that line."""
+        import select
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            ready, _, _ = select.select([self.proc.stderr], [], [], max(0.0, end - time.monotonic()))
+            if not ready:
+                break
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            if text in line:
+                return line
+        raise AssertionError(f"worker {self.name} did not log {text!r} within {timeout} s")
+
     def exit(self) -> None:
         self.call("exit")
         self.proc.wait(10)
@@ -100,10 +117,11 @@ def remove_records(prefix: str) -> None:
                 _C.delete_mem_info_record(n, True)
             except _C.KvcachedError:
                 pass
-    try:
-        os.unlink(DeviceBudget("cpu", 1, scope=prefix).lock_path)
-    except FileNotFoundError:
-        pass
+    for path in DeviceBudget("cpu", 1, scope=prefix).lock_paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def record_state(name: str) -> Optional[tuple]:

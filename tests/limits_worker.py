@@ -79,6 +79,7 @@ def main() -> None:
     def query() -> dict:
         return {
             "pid": _pid(),
+            "name": limits.name,
             "mapped": pa.get_num_mapped_pages(),
             "inuse": pa.get_num_inuse_pages(),
             "reserved": pa.get_num_reserved_pages(),

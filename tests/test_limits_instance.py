@@ -51,7 +51,7 @@ def prefix():
     remove_records(p)
 
 
-def wait_applied(limits: InstanceLimits, revision: int, timeout: float = 2.0) -> float:
+def wait_applied(limits: InstanceLimits, revision: int, timeout: float = 10.0) -> float:
     """Seconds until the owner enforces ``revision`` (fails the test after ``timeout``)."""
     t0 = time.monotonic()
     while limits.record().applied_revision < revision:
@@ -143,6 +143,9 @@ def test_budget_gate_shares_one_device_between_instances(host, prefix):
         assert s.held <= s.budget and s.mapped == 10 * BPP
         with pytest.raises(OutOfMemoryError):
             b.admit_pages(1)
+        # That miss woke a's watcher; let it be done (a write it acknowledges comes
+        # after the wake-up), or it could trim the reserve filled just below.
+        wait_applied(a, _C.MemInfoTracker.open(prefix + "a").set_limit(a.limit))
         pa_a.free_pages(ids_a[:6])  # 4 stay mapped in a's reserve pool, 2 are unmapped
         a.on_free()
         assert pa_a.get_num_mapped_pages() == 6 and a.record().granted == 8 * BPP
@@ -228,8 +231,22 @@ def test_control_statuses(host, prefix):
         pa.free_pages(ids)
         r = set_instance_memory_limit(4 * BPP, name=name)
         assert r == "applied"
-        # This process owns exactly one instance: the default target.
-        assert set_instance_memory_limit(5 * BPP).name == name
+        # A process that owns exactly one instance (and no KV pool): the default
+        # target. In a fresh interpreter, so instances other tests left open do not count.
+        code = (
+            "import sys\n"
+            "from kvcached import _C\n"
+            "from kvcached.control import set_instance_memory_limit\n"
+            "from kvcached.limits import InstanceLimits\n"
+            f"_C.init_kvcached('cpu', {PAGE}, False)\n"
+            f"_C.create_kv_tensors({PAGES * PAGE}, {LAYERS}, 2, 0)\n"
+            f"pa = _C.PageAllocator({LAYERS}, {PAGES * PAGE}, {PAGE})\n"
+            "lim = InstanceLimits.for_page_allocator(pa, engine='t', device='cpu', name=sys.argv[1], budget=None)\n"
+            f"print(set_instance_memory_limit({5 * BPP}).name)\n"
+            "lim.close()\n"
+        )
+        r = subprocess.run([sys.executable, "-c", code, prefix + "only"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.split() == [prefix + "only"], r.stderr
     finally:
         lim.close()
 

@@ -186,10 +186,13 @@ def test_settings_from_the_environment(monkeypatch) -> None:
     c = TPCoordinator(1)
     assert c.timeout == 0.25 and c.recovery_timeout == 0.25 * settings.RECOVERY_FACTOR
     assert c.ipc_name == "from-env"
-    for bad in ("soon", "0", "-1"):
+    for bad in ("soon", "nan", "inf"):
         monkeypatch.setenv("KVCACHED_IPC_TIMEOUT", bad)
         with pytest.raises(ValueError, match="KVCACHED_IPC_TIMEOUT"):
             settings.ipc_timeout()
+    for none in ("0", "-1"):  # upstream's "no timeout": still bounded
+        monkeypatch.setenv("KVCACHED_IPC_TIMEOUT", none)
+        assert 0 < settings.ipc_timeout() < float("inf")
     monkeypatch.setenv("KVCACHED_PP_SIZE", "0")
     with pytest.raises(ValueError, match="KVCACHED_PP_SIZE"):
         settings.pp_size()

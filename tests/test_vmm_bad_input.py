@@ -125,3 +125,55 @@ def test_page_allocator_rejects_bad_frees(vmm, device, page_size):
     with pytest.raises(InvalidArgumentError, match="n must be >= 1"):
         pa.alloc_pages(0)
     assert pa.get_num_inuse_pages() == 1
+
+
+# Values pybind's own casters turned into an untyped TypeError (or, for a bool,
+# silently into 1): every integer argument is checked and named instead.
+BAD_INTEGERS = [
+    (lambda v, pa, t: v.map_to_kv_tensors([2**64]), "offsets is outside the 64-bit integer range"),
+    (lambda v, pa, t: v.map_to_kv_tensors([0.0]), "offsets must be an integer, got float"),
+    (lambda v, pa, t: v.map_to_kv_tensors([True]), "offsets must be an integer, got bool"),
+    (lambda v, pa, t: v.map_to_kv_tensors("0"), "offsets must be a sequence of integers"),
+    (lambda v, pa, t: v.map_to_kv_tensors(5), "offsets must be a sequence of integers"),
+    (lambda v, pa, t: v.unmap_from_kv_tensors([None]), "offsets must be an integer, got NoneType"),
+    (lambda v, pa, t: v.prepare_unmap_from_kv_tensors(2**70, [0]), "tx_id is outside the 64-bit"),
+    (lambda v, pa, t: _C.commit_unmap_from_kv_tensors(1.5), "tx_id must be an integer"),
+    (lambda v, pa, t: v.map_to_kv_tensors([0], group_id=2**40), "group_id must be <="),
+    (lambda v, pa, t: pa.set_mem_limit(2**63), "memory limit .* outside the 64-bit integer range"),
+    (lambda v, pa, t: pa.set_mem_limit(-2), "memory limit .* must be >= -1"),
+    (lambda v, pa, t: pa.set_mem_limit(1e9), "must be an integer, got float"),
+    (lambda v, pa, t: pa.alloc_pages(-1), "n must be >= 0"),
+    (lambda v, pa, t: pa.free_pages([True]), "page ids must be an integer, got bool"),
+    (lambda v, pa, t: pa.free_page(False), "page id must be an integer, got bool"),
+    (lambda v, pa, t: pa.resize(2**64), "mem_size_per_layer is outside the 64-bit"),
+    (lambda v, pa, t: t.set_limit(2**63), "limit is outside the 64-bit"),
+    (lambda v, pa, t: t.set_limit(1, 2**32), "expected_revision must be <= 4294967295"),
+    (lambda v, pa, t: t.set_limit(1, True), "expected_revision must be an integer, got bool"),
+    (lambda v, pa, t: t.set_granted(-1), "granted bytes must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(
+    "call, message", BAD_INTEGERS, ids=[m.split(" ")[0] + str(i) for i, (_, m) in enumerate(BAD_INTEGERS)]
+)
+def test_integer_arguments_are_checked_and_typed(vmm, page_size, ready, call, message):
+    import uuid
+
+    pa = _C.PageAllocator(2, 4 * page_size, page_size, 2)
+    t = _C.MemInfoTracker.create(f"kvt{uuid.uuid4().hex[:8]}_bad", "t", 0, 0, page_size, page_size)
+    try:
+        before = (_state(), pa.mem_limit(), t.snapshot().revision, t.snapshot().limit)
+        with pytest.raises(InvalidArgumentError, match=message):
+            call(vmm, pa, t)
+        assert (_state(), pa.mem_limit(), t.snapshot().revision, t.snapshot().limit) == before
+    finally:
+        t.unlink()
+
+
+def test_numpy_and_torch_integers_are_accepted(vmm, page_size, ready):
+    import numpy as np
+    import torch
+
+    vmm.map_to_kv_tensors(np.array([0, 2 * page_size], dtype=np.int64))
+    vmm.unmap_from_kv_tensors(torch.tensor([0, 2 * page_size]))
+    assert _C.mapped_offsets() == [page_size]

@@ -121,3 +121,54 @@ def test_fault_spec_from_environment(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["BackendError", "1"]
+
+
+def test_unreleasable_memory_is_visible_and_released_at_shutdown(vmm, device, page_size):
+    """Release failures keep handles aside: group_info, the process total and
+    the instance record show the bytes; shutdown releases them when the driver
+    lets it."""
+    import uuid
+
+    from kvcached.cli.table import records_table
+    from kvcached.limits import InstanceLimits
+
+    q0, handles0 = _C.quarantined_bytes(), live_handles(device)
+    layers = vmm.create_kv_tensors(6 * page_size, 4, device, LAYERS, KV)
+    pa = _C.PageAllocator(LAYERS, 6 * page_size, page_size, KV, max_reserved=0)
+    lim = InstanceLimits.for_page_allocator(
+        pa, engine="t", device=device, name=f"kvt{uuid.uuid4().hex[:8]}_q", budget=None
+    )
+    try:
+        handles1 = live_handles(device)
+        ids = pa.alloc_pages(3)
+        _C.inject_fault("release", 1, -1)  # every release fails from now on
+        pa.free_pages(ids)
+        _C.clear_faults()
+        leaked = 3 * LAYERS * KV * page_size  # per-layer layout: a handle per layer and K/V buffer
+        assert vmm.group_info()["quarantined_bytes"] == leaked == _C.quarantined_bytes() - q0
+        assert live_handles(device) - handles1 == 3 * LAYERS * KV  # still allocated
+        rec = lim.record()
+        assert rec.quarantined == leaked and rec.valid
+        assert "could not be released" in records_table([rec])
+    finally:
+        lim.close()
+    del layers
+    vmm.shutdown_kvcached()  # retries them: the driver lets them go now
+    assert _C.quarantined_bytes() == q0 and live_handles(device) == handles0
+    vmm.init_kvcached(device, page_size=page_size)
+
+
+def test_shutdown_says_what_it_could_not_release(vmm, device, page_size, caplog):
+    import logging
+
+    q0, handles0 = _C.quarantined_bytes(), live_handles(device)
+    layers = _setup(vmm, device, page_size)
+    _C.inject_fault("release", 1, -1)
+    caplog.set_level(logging.WARNING, logger="kvcached.vmm_ops")
+    vmm.shutdown_kvcached()
+    _C.clear_faults()
+    assert any("could not be released at shutdown" in r.getMessage() for r in caplog.records)
+    assert _C.quarantined_bytes() > q0
+    del layers  # the tensors' last user: their destructor retries, and now the release works
+    assert _C.quarantined_bytes() == q0 and live_handles(device) == handles0
+    vmm.init_kvcached(device, page_size=page_size)

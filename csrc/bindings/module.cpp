@@ -85,6 +85,69 @@ class PyMapper final : public Mapper {
   py::function map_, unmap_;
 };
 
+// ---- integer arguments -------------------------------------------------------
+// pybind's own casters turn a bool into 1, and a float, 2**64 or a string into
+// an untyped TypeError ("incompatible function arguments"). These give
+// InvalidArgumentError naming the argument instead, and take any object with
+// __index__ (numpy and torch integers included).
+std::string type_name(PyObject* o) { return Py_TYPE(o)->tp_name; }
+
+int64_t to_i64(py::handle h, const char* what) {
+  PyObject* o = h.ptr();
+  if (PyBool_Check(o) || !PyIndex_Check(o)) {
+    invalid(std::string(what) + " must be an integer, got " + type_name(o));
+  }
+  int overflow = 0;
+  long long v = 0;
+  if (PyLong_CheckExact(o)) {
+    v = PyLong_AsLongLongAndOverflow(o, &overflow);
+  } else {
+    py::object idx = py::reinterpret_steal<py::object>(PyNumber_Index(o));
+    if (!idx) {
+      PyErr_Clear();
+      invalid(std::string(what) + " must be an integer, got " + type_name(o));
+    }
+    v = PyLong_AsLongLongAndOverflow(idx.ptr(), &overflow);
+  }
+  if (overflow) invalid(std::string(what) + " is outside the 64-bit integer range");
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    invalid(std::string(what) + " must be an integer, got " + type_name(o));
+  }
+  return v;
+}
+
+int64_t to_i64_in(py::handle h, const char* what, int64_t lo, int64_t hi) {
+  int64_t v = to_i64(h, what);
+  if (v < lo) invalid(std::string(what) + " must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
+  if (v > hi) invalid(std::string(what) + " must be <= " + std::to_string(hi) + ", got " + std::to_string(v));
+  return v;
+}
+
+size_t to_size(py::handle h, const char* what) {
+  return static_cast<size_t>(to_i64_in(h, what, 0, INT64_MAX));
+}
+
+std::vector<int64_t> to_i64_list(py::handle h, const char* what) {
+  PyObject* o = h.ptr();
+  if (PyUnicode_Check(o) || PyBytes_Check(o) || PyByteArray_Check(o)) {
+    invalid(std::string(what) + " must be a sequence of integers, got " + type_name(o));
+  }
+  py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(o, ""));
+  if (!seq) {
+    PyErr_Clear();
+    invalid(std::string(what) + " must be a sequence of integers, got " + type_name(o));
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) out.push_back(to_i64(items[i], what));
+  return out;
+}
+
+int to_group(py::handle h) { return static_cast<int>(to_i64_in(h, "group_id", 0, INT32_MAX)); }
+
 std::shared_ptr<FTensorAllocator> group_of(int group_id) { return registry::group(group_id, false); }
 
 }  // namespace
@@ -140,7 +203,10 @@ PYBIND11_MODULE(_C, m) {
   // ---- global (upstream-style) API -----------------------------------------
   m.def("init_kvcached", &registry::init, py::arg("device"), py::arg("page_size"), py::arg("contiguous_layout"),
         release_gil());
-  m.def("shutdown_kvcached", &registry::shutdown, release_gil());
+  m.def("shutdown_kvcached", &registry::shutdown, release_gil(),
+        "Releases every physical page; returns the bytes that could not be released (quarantined).");
+  m.def("quarantined_bytes", &quarantined_bytes_total,
+        "Bytes of KV memory of this process that could not be released and stay allocated.");
   m.def("is_initialized", &registry::initialized);
   m.def("config", [] {
     auto c = registry::config();
@@ -179,29 +245,65 @@ PYBIND11_MODULE(_C, m) {
         return false;
       },
       py::arg("group_id") = 0);
-  m.def("map_to_kv_tensors", [](const std::vector<int64_t>& offs, int g) { group_of(g)->map(offs); },
-        py::arg("offsets"), py::arg("group_id") = 0, release_gil());
+  m.def(
+      "map_to_kv_tensors",
+      [](py::object offs, py::object g) {
+        auto o = to_i64_list(offs, "offsets");
+        int gid = to_group(g);
+        py::gil_scoped_release nogil;
+        group_of(gid)->map(o);
+      },
+      py::arg("offsets"), py::arg("group_id") = 0);
   m.def(
       "map_to_kv_tensors_with_result",
-      [](const std::vector<int64_t>& offs, int g) {
+      [](py::object offs, py::object g) {
+        auto o = to_i64_list(offs, "offsets");
+        int gid = to_group(g);
         MapResult r;
         {
           py::gil_scoped_release nogil;
-          r = group_of(g)->map_with_result(offs);
+          r = group_of(gid)->map_with_result(o);
         }
         return py::make_tuple(r.newly_mapped, r.already_mapped);
       },
       py::arg("offsets"), py::arg("group_id") = 0);
-  m.def("unmap_from_kv_tensors", [](const std::vector<int64_t>& offs, int g) { group_of(g)->unmap(offs); },
-        py::arg("offsets"), py::arg("group_id") = 0, release_gil());
+  m.def(
+      "unmap_from_kv_tensors",
+      [](py::object offs, py::object g) {
+        auto o = to_i64_list(offs, "offsets");
+        int gid = to_group(g);
+        py::gil_scoped_release nogil;
+        group_of(gid)->unmap(o);
+      },
+      py::arg("offsets"), py::arg("group_id") = 0);
   m.def(
       "prepare_unmap_from_kv_tensors",
-      [](int64_t tx, const std::vector<int64_t>& offs, int g) { group_of(g)->prepare_unmap(tx, offs); },
-      py::arg("tx_id"), py::arg("offsets"), py::arg("group_id") = 0, release_gil());
-  m.def("commit_unmap_from_kv_tensors", [](int64_t tx, int g) { group_of(g)->commit_unmap(tx); }, py::arg("tx_id"),
-        py::arg("group_id") = 0, release_gil());
-  m.def("abort_unmap_from_kv_tensors", [](int64_t tx, int g) { group_of(g)->abort_unmap(tx); }, py::arg("tx_id"),
-        py::arg("group_id") = 0, release_gil());
+      [](py::object tx, py::object offs, py::object g) {
+        int64_t t = to_i64(tx, "tx_id");
+        auto o = to_i64_list(offs, "offsets");
+        int gid = to_group(g);
+        py::gil_scoped_release nogil;
+        group_of(gid)->prepare_unmap(t, o);
+      },
+      py::arg("tx_id"), py::arg("offsets"), py::arg("group_id") = 0);
+  m.def(
+      "commit_unmap_from_kv_tensors",
+      [](py::object tx, py::object g) {
+        int64_t t = to_i64(tx, "tx_id");
+        int gid = to_group(g);
+        py::gil_scoped_release nogil;
+        group_of(gid)->commit_unmap(t);
+      },
+      py::arg("tx_id"), py::arg("group_id") = 0);
+  m.def(
+      "abort_unmap_from_kv_tensors",
+      [](py::object tx, py::object g) {
+        int64_t t = to_i64(tx, "tx_id");
+        int gid = to_group(g);
+        py::gil_scoped_release nogil;
+        group_of(gid)->abort_unmap(t);
+      },
+      py::arg("tx_id"), py::arg("group_id") = 0);
   m.def(
       "unmap_transaction_outcome",
       [](int64_t tx, int g) {
@@ -225,6 +327,7 @@ PYBIND11_MODULE(_C, m) {
                         py::arg("num_pages") = a->num_pages(), py::arg("bytes_per_page") = a->bytes_per_page(),
                         py::arg("mapped_pages") = s.mapped_pages, py::arg("prepared_pages") = s.prepared_pages,
                         py::arg("physical_bytes") = s.physical_bytes, py::arg("quarantined") = s.quarantined,
+                        py::arg("quarantined_bytes") = s.quarantined_bytes,
                         py::arg("pending_transactions") = s.pending_transactions,
                         py::arg("failed") = a->failed(), py::arg("failure") = a->failure());
       },
@@ -341,14 +444,52 @@ PYBIND11_MODULE(_C, m) {
            py::arg("group_id") = 0, py::arg("min_reserved") = 0, py::arg("max_reserved") = 0,
            py::arg("enable_prealloc") = true, py::arg("map_fn") = py::none(), py::arg("unmap_fn") = py::none())
       .def("alloc_page", &PageAllocator::alloc_page, release_gil())
-      .def("alloc_pages", &PageAllocator::alloc_pages, py::arg("n"), release_gil())
-      .def("free_page", &PageAllocator::free_page, release_gil())
-      .def("free_pages", &PageAllocator::free_pages, release_gil())
+      .def(
+          "alloc_pages",
+          [](PageAllocator& pa, py::object n) {
+            size_t k = to_size(n, "n");
+            py::gil_scoped_release nogil;
+            return pa.alloc_pages(k);
+          },
+          py::arg("n"))
+      .def(
+          "free_page",
+          [](PageAllocator& pa, py::object id) {
+            int64_t i = to_i64(id, "page id");
+            py::gil_scoped_release nogil;
+            pa.free_page(i);
+          },
+          py::arg("id"))
+      .def(
+          "free_pages",
+          [](PageAllocator& pa, py::object ids) {
+            auto v = to_i64_list(ids, "page ids");
+            py::gil_scoped_release nogil;
+            pa.free_pages(v);
+          },
+          py::arg("ids"))
       .def("trim", &PageAllocator::trim, release_gil())
-      .def("resize", &PageAllocator::resize, py::arg("mem_size_per_layer"), release_gil())
-      .def("set_mem_limit", &PageAllocator::set_mem_limit, py::arg("bytes"))
+      .def(
+          "resize",
+          [](PageAllocator& pa, py::object bytes) {
+            size_t b = to_size(bytes, "mem_size_per_layer");
+            py::gil_scoped_release nogil;
+            return pa.resize(b);
+          },
+          py::arg("mem_size_per_layer"))
+      .def(
+          "set_mem_limit",
+          [](PageAllocator& pa, py::object bytes) {
+            pa.set_mem_limit(to_i64_in(bytes, "memory limit (bytes, -1: none)", -1, INT64_MAX));
+          },
+          py::arg("bytes"))
       .def("mem_limit", &PageAllocator::mem_limit)
-      .def("set_reserve_bounds", &PageAllocator::set_reserve_bounds, py::arg("min_reserved"), py::arg("max_reserved"))
+      .def(
+          "set_reserve_bounds",
+          [](PageAllocator& pa, py::object lo, py::object hi) {
+            pa.set_reserve_bounds(to_size(lo, "min_reserved"), to_size(hi, "max_reserved"));
+          },
+          py::arg("min_reserved"), py::arg("max_reserved"))
       .def("attach_tracker", &PageAllocator::attach_tracker, py::arg("tracker"))
       .def("start_prealloc_thread", &PageAllocator::start_prealloc_thread)
       .def("stop_prealloc_thread", &PageAllocator::stop_prealloc_thread, release_gil())
@@ -359,7 +500,12 @@ PYBIND11_MODULE(_C, m) {
       .def("get_num_virtual_pages", &PageAllocator::num_virtual_pages)
       .def("get_num_mapped_pages", &PageAllocator::num_mapped_pages)
       .def("get_num_quarantined_pages", &PageAllocator::num_quarantined_pages)
-      .def("get_page_id", &PageAllocator::get_page_id, py::arg("block_id"), py::arg("block_mem_size"))
+      .def(
+          "get_page_id",
+          [](PageAllocator& pa, py::object b, py::object sz) {
+            return pa.get_page_id(to_i64(b, "block_id"), to_i64(sz, "block_mem_size"));
+          },
+          py::arg("block_id"), py::arg("block_mem_size"))
       .def("last_error", &PageAllocator::last_error)
       .def_property_readonly("page_size", &PageAllocator::page_size)
       .def_property_readonly("bytes_per_page", &PageAllocator::bytes_per_page);
@@ -383,27 +529,80 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("device_bytes", &MemInfoSnapshot::device_bytes)
       .def_readonly("applied_revision", &MemInfoSnapshot::applied_revision)
       .def_readonly("wanted", &MemInfoSnapshot::wanted)
-      .def_readonly("wanted_ns", &MemInfoSnapshot::wanted_ns);
+      .def_readonly("wanted_ns", &MemInfoSnapshot::wanted_ns)
+      .def_readonly("quarantined", &MemInfoSnapshot::quarantined)
+      .def_readonly("owner_uid", &MemInfoSnapshot::owner_uid)
+      .def_readonly("problem", &MemInfoSnapshot::problem)
+      .def_readonly("busy", &MemInfoSnapshot::busy);
+  constexpr int64_t kMaxBytes = kMaxRecordBytes;
   py::class_<MemInfoTracker, std::shared_ptr<MemInfoTracker>>(m, "MemInfoTracker")
-      .def_static("create", [](const std::string& n, const std::string& e, int dt, int di, int64_t total, int64_t limit) {
-                    return std::make_shared<MemInfoTracker>(MemInfoTracker::create(n, e, dt, di, total, limit));
-                  }, py::arg("name"), py::arg("engine"), py::arg("device_type"),
-                  py::arg("device_index"), py::arg("total"), py::arg("limit"))
-      .def_static("open", [](const std::string& n) { return std::make_shared<MemInfoTracker>(MemInfoTracker::open(n)); },
-                  py::arg("name"))
+      .def_static(
+          "create",
+          [](const std::string& n, const std::string& e, py::object dt, py::object di, py::object total,
+             py::object limit) {
+            int t = static_cast<int>(to_i64_in(dt, "device_type", 0, 2));
+            int i = static_cast<int>(to_i64_in(di, "device_index", 0, 0xffff));
+            int64_t tot = to_i64_in(total, "total", 0, kMaxBytes), lim = to_i64_in(limit, "limit", 0, kMaxBytes);
+            py::gil_scoped_release nogil;
+            return std::make_shared<MemInfoTracker>(MemInfoTracker::create(n, e, t, i, tot, lim));
+          },
+          py::arg("name"), py::arg("engine"), py::arg("device_type"), py::arg("device_index"), py::arg("total"),
+          py::arg("limit"))
+      .def_static(
+          "open", [](const std::string& n) { return std::make_shared<MemInfoTracker>(MemInfoTracker::open(n)); },
+          py::arg("name"), release_gil())
       .def_property_readonly("name", &MemInfoTracker::name)
-      .def("snapshot", &MemInfoTracker::snapshot)
-      .def("publish_usage", &MemInfoTracker::publish_usage, py::arg("used"), py::arg("prealloc"))
-      .def("set_total", &MemInfoTracker::set_total)
-      .def("set_limit", &MemInfoTracker::set_limit, py::arg("limit"), py::arg("expected_revision") = -1)
-      .def("wait_for_change", &MemInfoTracker::wait_for_change, py::arg("seen"), py::arg("timeout_ms"), release_gil())
+      // Bounded, but may wait (a write in progress): without the GIL.
+      .def("snapshot", &MemInfoTracker::snapshot, release_gil())
+      .def(
+          "publish_usage",
+          [](MemInfoTracker& t, py::object used, py::object prealloc) {
+            t.publish_usage(to_i64_in(used, "used", 0, kMaxBytes), to_i64_in(prealloc, "prealloc", 0, kMaxBytes));
+          },
+          py::arg("used"), py::arg("prealloc"))
+      .def(
+          "set_total", [](MemInfoTracker& t, py::object b) { t.set_total(to_i64_in(b, "total", 0, kMaxBytes)); },
+          py::arg("total"))
+      .def(
+          "set_limit",
+          [](MemInfoTracker& t, py::object limit, py::object expected) {
+            int64_t l = to_i64_in(limit, "limit", 0, kMaxBytes);
+            int64_t r = to_i64_in(expected, "expected_revision", -1, UINT32_MAX);
+            py::gil_scoped_release nogil;
+            return t.set_limit(l, r);
+          },
+          py::arg("limit"), py::arg("expected_revision") = -1)
+      .def(
+          "wait_for_change",
+          [](MemInfoTracker& t, py::object seen, py::object timeout_ms) {
+            uint32_t s = static_cast<uint32_t>(to_i64_in(seen, "seen", 0, UINT32_MAX));
+            int ms = static_cast<int>(to_i64_in(timeout_ms, "timeout_ms", 0, INT32_MAX));
+            py::gil_scoped_release nogil;
+            return t.wait_for_change(s, ms);
+          },
+          py::arg("seen"), py::arg("timeout_ms"))
       .def("wake", &MemInfoTracker::wake)
-      .def("set_granted", &MemInfoTracker::set_granted, py::arg("bytes"))
-      .def("set_device_bytes", &MemInfoTracker::set_device_bytes, py::arg("bytes"))
-      .def("ack_revision", &MemInfoTracker::ack_revision, py::arg("revision"))
-      .def("set_wanted", &MemInfoTracker::set_wanted, py::arg("bytes"))
+      .def(
+          "set_granted", [](MemInfoTracker& t, py::object b) { t.set_granted(to_i64(b, "granted bytes")); },
+          py::arg("bytes"))
+      .def(
+          "set_device_bytes", [](MemInfoTracker& t, py::object b) { t.set_device_bytes(to_i64(b, "device bytes")); },
+          py::arg("bytes"))
+      .def(
+          "ack_revision",
+          [](MemInfoTracker& t, py::object r) {
+            t.ack_revision(static_cast<uint32_t>(to_i64_in(r, "revision", 0, UINT32_MAX)));
+          },
+          py::arg("revision"))
+      .def(
+          "set_wanted", [](MemInfoTracker& t, py::object b) { t.set_wanted(to_i64(b, "wanted bytes")); },
+          py::arg("bytes"))
+      .def(
+          "set_quarantined",
+          [](MemInfoTracker& t, py::object b) { t.set_quarantined(to_i64(b, "quarantined bytes")); },
+          py::arg("bytes"))
       .def("unlink", &MemInfoTracker::unlink);
-  m.def("list_mem_info_records", &list_mem_info_records);
-  m.def("delete_mem_info_record", &delete_mem_info_record, py::arg("name"), py::arg("force") = false);
+  m.def("list_mem_info_records", &list_mem_info_records, release_gil());
+  m.def("delete_mem_info_record", &delete_mem_info_record, py::arg("name"), py::arg("force") = false, release_gil());
   m.def("process_alive", &process_alive, py::arg("pid"), py::arg("start_time") = 0);
 }

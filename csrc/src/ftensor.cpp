@@ -1,10 +1,17 @@
 #include "kvcached/ftensor.hpp"
 
+#include <atomic>
 #include <string>
 
 #include "kvcached/errors.hpp"
 
 namespace kvcached {
+
+namespace {
+std::atomic<int64_t> g_quarantined_bytes{0};
+}  // namespace
+
+int64_t quarantined_bytes_total() { return g_quarantined_bytes.load(std::memory_order_relaxed); }
 
 namespace {
 // VA alignment for a range of `unit`-sized mappings: the largest power of two
@@ -68,16 +75,15 @@ FTensor::FTensor(std::shared_ptr<Backend> backend, size_t size, size_t unit, std
 }
 
 FTensor::~FTensor() {
-  // Best effort: nothing here may throw. Quarantined handles stay leaked, as
-  // their state is unknown.
+  // Best effort: nothing here may throw.
   for (size_t i = 0; i < state_.size(); ++i) {
-    if (state_[i] == Unit::Hole) continue;
     try {
-      backend_->unmap(va(i), unit_);
+      backend_->unmap(va(i), unit_);  // a hole may still hold a stuck mapping
       if (state_[i] == Unit::Mapped) backend_->release(handles_[i], unit_);
     } catch (...) {
     }
   }
+  release_quarantine();
   backend_->free_reservation(base_, size_);
 }
 
@@ -122,7 +128,7 @@ void FTensor::place(size_t i, PhysHandle h) {
   } catch (const StuckMapping& e) {
     state_[i] = Unit::Hole;
     ++holes_;
-    quarantined_.push_back(h);
+    quarantine(h);
     fail(ErrorKind::StateConsistency, std::string("could not undo a failed mapping (") + e.what() +
                                           "); the unit is quarantined");
   } catch (const Error&) {
@@ -163,7 +169,7 @@ PhysHandle FTensor::unmap_retain(size_t i) {
       state_[i] = Unit::Hole;
       ++holes_;
       --num_mapped_;
-      quarantined_.push_back(h);
+      quarantine(h);
       fail(ErrorKind::StateConsistency, std::string("unmap could neither map the zero page (") + first.what() +
                                             ") nor restore the data page (" + e.what() + "); unit quarantined");
     }
@@ -187,10 +193,47 @@ void FTensor::release(PhysHandle h) {
   try {
     backend_->release(h, unit_);
   } catch (const Error&) {
-    quarantined_.push_back(h);
+    unreleased_.push_back(h);
+    g_quarantined_bytes.fetch_add(static_cast<int64_t>(unit_), std::memory_order_relaxed);
   }
 }
 
-void FTensor::quarantine(PhysHandle h) { quarantined_.push_back(h); }
+void FTensor::quarantine(PhysHandle h) {
+  quarantined_.push_back(h);
+  g_quarantined_bytes.fetch_add(static_cast<int64_t>(unit_), std::memory_order_relaxed);
+}
+
+int64_t FTensor::release_quarantine() {
+  // Holes first: once unmapped, no quarantined handle is mapped there.
+  for (size_t i = 0; i < state_.size() && holes_ > 0; ++i) {
+    if (state_[i] != Unit::Hole) continue;
+    try {
+      try {
+        backend_->unmap(va(i), unit_);
+      } catch (const Error&) {
+        // Nothing may be mapped there: the zero page below decides.
+      }
+      map_accessible(i, zero_->handle());
+      state_[i] = Unit::Zero;
+      --holes_;
+    } catch (const std::exception&) {
+    }
+  }
+  auto drain = [this](std::vector<PhysHandle>& list) {
+    std::vector<PhysHandle> kept;
+    for (PhysHandle h : list) {
+      try {
+        backend_->release(h, unit_);
+        g_quarantined_bytes.fetch_sub(static_cast<int64_t>(unit_), std::memory_order_relaxed);
+      } catch (const Error&) {
+        kept.push_back(h);
+      }
+    }
+    list.swap(kept);
+  };
+  drain(unreleased_);
+  drain(quarantined_);
+  return quarantined_bytes();
+}
 
 }  // namespace kvcached

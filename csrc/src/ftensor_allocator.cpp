@@ -375,7 +375,10 @@ AllocatorStats FTensorAllocator::stats() const {
   s.mapped_pages = mapped_pages_;
   s.prepared_pages = prepared_pages_;
   s.physical_bytes = mapped_pages_ * static_cast<int64_t>(bytes_per_page());
-  for (auto& t : tensors_) s.quarantined += static_cast<int64_t>(t->num_quarantined());
+  for (auto& t : tensors_) {
+    s.quarantined += static_cast<int64_t>(t->num_quarantined());
+    s.quarantined_bytes += t->quarantined_bytes();
+  }
   s.pending_transactions = static_cast<int64_t>(pending_.size());
   return s;
 }
@@ -390,9 +393,16 @@ std::string FTensorAllocator::failure() const {
   return failure_;
 }
 
-void FTensorAllocator::shutdown() {
+int64_t FTensorAllocator::quarantined_bytes() const {
   std::lock_guard<std::mutex> g(mu_);
-  if (shut_down_) return;
+  int64_t b = 0;
+  for (auto& t : tensors_) b += t->quarantined_bytes();
+  return b;
+}
+
+int64_t FTensorAllocator::shutdown() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (shut_down_) return 0;
   shut_down_ = true;
   for (auto& kv : pending_) release_retained_locked(kv.second.retained);
   pending_.clear();
@@ -409,9 +419,12 @@ void FTensorAllocator::shutdown() {
   }
   page_state_.assign(page_state_.size(), Page::Unmapped);
   mapped_pages_ = prepared_pages_ = 0;
+  int64_t left = 0;
+  for (auto& t : tensors_) left += t->release_quarantine();
   // Tensors live on (zero page only) while Python still holds views of them.
   tensors_.clear();
   zero_.reset();
+  return left;
 }
 
 // ---------------------------------------------------------------------------
@@ -465,7 +478,7 @@ Config config() {
   return s.config;
 }
 
-void shutdown() {
+int64_t shutdown() {
   State& s = state();
   std::map<int, std::shared_ptr<FTensorAllocator>> groups;
   {
@@ -473,7 +486,9 @@ void shutdown() {
     groups.swap(s.groups);
     s.initialized = false;
   }
-  for (auto& kv : groups) kv.second->shutdown();
+  int64_t left = 0;
+  for (auto& kv : groups) left += kv.second->shutdown();
+  return left;
 }
 
 std::shared_ptr<FTensorAllocator> group(int group_id, bool create) {

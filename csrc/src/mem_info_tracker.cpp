@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -12,37 +13,76 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "kvcached/errors.hpp"
+#include "kvcached/mapping_guard.hpp"
 
 namespace kvcached {
 
 namespace {
 
-std::string shm_name(const std::string& name) {
-  if (name.empty() || name.size() >= sizeof(MemInfoRecord::name) || name.find('/') != std::string::npos ||
-      name == "." || name == "..") {
-    invalid("record name '" + name + "' is invalid; use 1-127 characters without '/'");
+constexpr const char* kShmDir = "/dev/shm/";
+
+// A name kvcached makes (kvcached.naming rule 2): 1-127 printable ASCII
+// characters, no '/' or whitespace, not "." or "..".
+bool valid_name(const char* s, size_t n) {
+  if (n == 0 || n >= sizeof(MemInfoRecord::name)) return false;
+  if ((n == 1 && s[0] == '.') || (n == 2 && s[0] == '.' && s[1] == '.')) return false;
+  for (size_t i = 0; i < n; ++i) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c <= 0x20 || c >= 0x7f || c == '/') return false;
   }
-  return "/" + name;
+  return true;
 }
 
-int64_t now_ns() {
+std::string shm_path(const std::string& name) {
+  if (!valid_name(name.data(), name.size())) {
+    invalid("record name '" + name + "' is invalid; use 1-127 printable ASCII characters without '/' or spaces");
+  }
+  return kShmDir + name;
+}
+
+// Text of a record field for messages and snapshots: printable ASCII kept,
+// everything else as \xNN, so no byte of it can reach a terminal raw.
+std::string escaped(const char* s, size_t n) {
+  std::string out;
+  for (size_t i = 0; i < n; ++i) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return out;
+}
+
+int64_t clock_ns(clockid_t clk) {
   timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
+  clock_gettime(clk, &ts);
   return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
-MemInfoRecord* map_record(int fd, const std::string& name) {
+int64_t now_ns() { return clock_ns(CLOCK_REALTIME); }
+
+// Opens a file of /dev/shm without following a link or blocking on a FIFO.
+int open_shm(const std::string& name, int flags, mode_t mode = 0) {
+  return ::open(shm_path(name).c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode);
+}
+
+MemInfoRecord* map_record(int fd, const std::string& name, int* guard) {
   void* p = mmap(nullptr, sizeof(MemInfoRecord), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     int e = errno;
     close(fd);
     fail(ErrorKind::Backend, "cannot map record '" + name + "': " + std::strerror(e));
   }
+  *guard = mapping_guard::add(p);
   return static_cast<MemInfoRecord*>(p);
 }
 
@@ -51,11 +91,46 @@ void copy_name(char* dst, size_t cap, const std::string& s) {
   std::memcpy(dst, s.data(), std::min(cap - 1, s.size()));
 }
 
+// flock() without an unbounded wait: polls LOCK_NB until `wait_ns` passed.
+bool lock_within(int fd, int64_t wait_ns) {
+  int64_t start = clock_ns(CLOCK_MONOTONIC);
+  long sleep_ns = 20000;
+  for (;;) {
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) return true;
+    if (errno != EWOULDBLOCK && errno != EINTR) return false;
+    if (clock_ns(CLOCK_MONOTONIC) - start >= wait_ns) return false;
+    timespec ts{0, sleep_ns};
+    nanosleep(&ts, nullptr);
+    sleep_ns = std::min(sleep_ns * 2, 2000000L);
+  }
+}
+
 struct FileLock {
-  explicit FileLock(int fd) : fd_(fd) { while (flock(fd_, LOCK_EX) != 0 && errno == EINTR) {} }
-  ~FileLock() { flock(fd_, LOCK_UN); }
+  FileLock(int fd, int64_t wait_ns) : fd_(fd), held_(lock_within(fd, wait_ns)) {}
+  ~FileLock() {
+    if (held_) flock(fd_, LOCK_UN);
+  }
   int fd_;
+  bool held_;
 };
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// A writer that died between its two seq updates left seq odd. Under the
+// record's lock no writer is running, so the write is completed here: the
+// revision moves on (the owner re-reads the limit; a compare-and-set against
+// the old revision fails) and seq becomes even. Caller holds the lock.
+void finish_dead_write_locked(MemInfoRecord* r) {
+  uint32_t seq = r->seq.load(std::memory_order_acquire);
+  if (!(seq & 1u)) return;
+  r->revision.fetch_add(1, std::memory_order_acq_rel);
+  r->seq.store(seq + 1, std::memory_order_release);
+  futex_wake_all(&r->revision);
+}
+
+bool in_range(int64_t v) { return v >= 0 && v <= kMaxRecordBytes; }
 
 }  // namespace
 
@@ -105,7 +180,7 @@ bool exited_unreaped(int pid, char state) {
 uint64_t process_start_time(int pid) { return stat_of(pid, nullptr); }
 
 bool process_alive(int pid, uint64_t start_time) {
-  if (pid <= 0) return false;
+  if (pid <= 0 || pid > kMaxPid) return false;
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;
   char state = 0;
   uint64_t st = stat_of(pid, &state);
@@ -113,53 +188,105 @@ bool process_alive(int pid, uint64_t start_time) {
   return !exited_unreaped(pid, state);
 }
 
-MemInfoTracker::MemInfoTracker(std::string name, int fd, MemInfoRecord* rec)
-    : name_(std::move(name)), fd_(fd), rec_(rec) {}
+MemInfoTracker::MemInfoTracker(std::string name, int fd, MemInfoRecord* rec, int guard, bool owner)
+    : name_(std::move(name)), fd_(fd), rec_(rec), guard_(guard), owner_(owner) {}
 
-MemInfoTracker::MemInfoTracker(MemInfoTracker&& o) noexcept : name_(std::move(o.name_)), fd_(o.fd_), rec_(o.rec_) {
+MemInfoTracker::MemInfoTracker(MemInfoTracker&& o) noexcept
+    : name_(std::move(o.name_)), fd_(o.fd_), rec_(o.rec_), guard_(o.guard_), owner_(o.owner_) {
   o.fd_ = -1;
   o.rec_ = nullptr;
+  o.guard_ = -1;
 }
 
 MemInfoTracker::~MemInfoTracker() {
+  mapping_guard::remove(guard_);
   if (rec_) munmap(rec_, sizeof(MemInfoRecord));
   if (fd_ >= 0) close(fd_);
 }
 
+bool MemInfoTracker::detached() const { return mapping_guard::lost(guard_); }
+
+namespace {
+
+// What to do with an existing file where create() wants a record: refuse a
+// live owner's record or another user's file; remove anything else of ours
+// (a dead owner's record, or the remains of a create() killed half way).
+void reclaim_or_refuse(const std::string& name) {
+  std::string path = shm_path(name);
+  struct stat lst;
+  if (lstat(path.c_str(), &lst) != 0) return;  // gone meanwhile: create again
+  uid_t euid = geteuid();
+  bool foreign = lst.st_uid != euid;
+  if (foreign && euid != 0) {
+    invalid("record name '" + name + "' is taken by uid " + std::to_string(lst.st_uid) + " (another user's /dev/shm/" +
+            name + "); choose another KVCACHED_IPC_NAME, or ask that user or root to remove it");
+  }
+  if (S_ISDIR(lst.st_mode)) invalid("/dev/shm/" + name + " is a directory; remove it or choose another KVCACHED_IPC_NAME");
+  bool record = false;
+  if (S_ISREG(lst.st_mode)) {
+    int fd = open_shm(name, O_RDONLY);
+    if (fd >= 0) {
+      alignas(8) char buf[sizeof(MemInfoRecord)] = {};
+      struct stat st;
+      bool same = fstat(fd, &st) == 0 && st.st_ino == lst.st_ino && st.st_dev == lst.st_dev;
+      ssize_t n = same ? pread(fd, buf, sizeof(buf), 0) : -1;
+      close(fd);
+      if (!same) return;  // replaced meanwhile: create again
+      uint64_t magic = 0;
+      int32_t pid = 0;
+      uint64_t start = 0;
+      if (n == static_cast<ssize_t>(sizeof(buf))) {
+        std::memcpy(&magic, buf + offsetof(MemInfoRecord, magic), sizeof(magic));
+        std::memcpy(&pid, buf + offsetof(MemInfoRecord, owner_pid), sizeof(pid));
+        std::memcpy(&start, buf + offsetof(MemInfoRecord, owner_start_time), sizeof(start));
+      }
+      record = magic == kMemInfoMagic;
+      if (record && process_alive(pid, start)) {
+        invalid("record '" + name + "' belongs to live process " + std::to_string(pid) +
+                "; choose another KVCACHED_IPC_NAME or stop that instance");
+      }
+    } else if (errno != ENOENT) {
+      record = false;
+    }
+  }
+  if (foreign && !record) {
+    invalid("record name '" + name + "' is taken by uid " + std::to_string(lst.st_uid) + " and is not a record; remove /dev/shm/" +
+            name + " or choose another KVCACHED_IPC_NAME");
+  }
+  struct stat now;
+  if (lstat(path.c_str(), &now) == 0 && now.st_ino == lst.st_ino && now.st_dev == lst.st_dev) ::unlink(path.c_str());
+}
+
+}  // namespace
+
 MemInfoTracker MemInfoTracker::create(const std::string& name, const std::string& engine, int device_type,
                                       int device_index, int64_t total, int64_t limit) {
-  std::string path = shm_name(name);
+  std::string path = shm_path(name);
+  if (engine.size() >= sizeof(MemInfoRecord::engine) || !(engine.empty() || valid_name(engine.data(), engine.size()))) {
+    invalid("engine tag '" + escaped(engine.data(), engine.size()) + "' must be 0-31 printable ASCII characters");
+  }
+  if (device_type < 0 || device_type > 2 || device_index < 0 || device_index > 0xffff) {
+    invalid("device type/index " + std::to_string(device_type) + "/" + std::to_string(device_index) + " is out of range");
+  }
+  if (!in_range(total) || !in_range(limit)) {
+    invalid("total and limit must be >= 0 and at most 2^60 bytes, got " + std::to_string(total) + " and " + std::to_string(limit));
+  }
   int fd = -1;
-  for (int attempt = 0; attempt < 2 && fd < 0; ++attempt) {
-    fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  for (int attempt = 0; attempt < 3 && fd < 0; ++attempt) {
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd >= 0 || errno != EEXIST) break;
-    // Exists: reclaim it only if its owner is gone.
-    MemInfoSnapshot old;
-    bool readable = true;
-    try {
-      old = open(name).snapshot();
-    } catch (const Error&) {
-      readable = false;
-    }
-    if (readable && old.owner_alive) {
-      invalid("record '" + name + "' belongs to live process " + std::to_string(old.owner_pid) +
-              "; choose another KVCACHED_IPC_NAME or stop that instance");
-    }
-    if (!readable) {
-      invalid("record '" + name + "' exists and cannot be opened by this user; remove /dev/shm/" + name +
-              " or choose another KVCACHED_IPC_NAME");
-    }
-    shm_unlink(path.c_str());
+    reclaim_or_refuse(name);
   }
   if (fd < 0) fail(ErrorKind::Backend, "cannot create record '" + name + "': " + std::strerror(errno));
   fchmod(fd, 0600);  // whatever the umask
   if (ftruncate(fd, sizeof(MemInfoRecord)) != 0) {
     int e = errno;
     close(fd);
-    shm_unlink(path.c_str());
+    ::unlink(path.c_str());
     fail(ErrorKind::Backend, "cannot size record '" + name + "': " + std::strerror(e));
   }
-  MemInfoRecord* r = map_record(fd, name);
+  int guard = -1;
+  MemInfoRecord* r = map_record(fd, name, &guard);
   r->version = kMemInfoVersion;
   r->record_size = sizeof(MemInfoRecord);
   r->device_type = device_type;
@@ -178,52 +305,139 @@ MemInfoTracker MemInfoTracker::create(const std::string& name, const std::string
   r->applied_revision.store(0);
   r->wanted.store(0);
   r->wanted_ns.store(0);
+  r->quarantined.store(0);
   copy_name(r->name, sizeof(r->name), name);
   copy_name(r->engine, sizeof(r->engine), engine);
   std::atomic_thread_fence(std::memory_order_release);
+  // The magic last: a reader never takes a record half made for one.
   reinterpret_cast<std::atomic<uint64_t>*>(&r->magic)->store(kMemInfoMagic, std::memory_order_release);
-  return MemInfoTracker(name, fd, r);
+  return MemInfoTracker(name, fd, r, guard, true);
 }
 
 MemInfoTracker MemInfoTracker::open(const std::string& name) {
-  std::string path = shm_name(name);
-  int fd = shm_open(path.c_str(), O_RDWR | O_CLOEXEC, 0);
+  int fd = open_shm(name, O_RDWR);
   if (fd < 0) {
     int e = errno;
     if (e == ENOENT) invalid("no kvcached instance named '" + name + "'; see `kvctl list`");
-    if (e == EACCES) invalid("record '" + name + "' belongs to another user; run kvctl as its owner");
+    if (e == EACCES || e == EPERM) invalid("record '" + name + "' belongs to another user; run kvctl as its owner");
+    if (e == ELOOP) invalid("'" + name + "' in /dev/shm is a symbolic link, not a kvcached record");
     fail(ErrorKind::Backend, "cannot open record '" + name + "': " + std::strerror(e));
   }
   struct stat st;
-  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < sizeof(MemInfoRecord)) {
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) != sizeof(MemInfoRecord)) {
+    bool reg = S_ISREG(st.st_mode);
     close(fd);
-    invalid("'" + name + "' in /dev/shm is not a kvcached record");
+    invalid("'" + name + "' in /dev/shm is not a kvcached record (" +
+            (reg ? std::to_string(st.st_size) + " bytes, a record has " + std::to_string(sizeof(MemInfoRecord))
+                 : std::string("not a regular file")) +
+            ")");
   }
-  MemInfoRecord* r = map_record(fd, name);
+  int guard = -1;
+  MemInfoRecord* r = map_record(fd, name, &guard);
   if (reinterpret_cast<std::atomic<uint64_t>*>(&r->magic)->load(std::memory_order_acquire) != kMemInfoMagic ||
-      r->version != kMemInfoVersion) {
+      r->version != kMemInfoVersion || r->record_size != sizeof(MemInfoRecord)) {
+    mapping_guard::remove(guard);
     munmap(r, sizeof(MemInfoRecord));
     close(fd);
     invalid("'" + name + "' in /dev/shm is not a kvcached record of version " + std::to_string(kMemInfoVersion));
   }
-  return MemInfoTracker(name, fd, r);
+  return MemInfoTracker(name, fd, r, guard, false);
+}
+
+uint32_t MemInfoTracker::settled_seq(bool may_repair) const {
+  int64_t start = 0;
+  for (int i = 0;; ++i) {
+    uint32_t a = rec_->seq.load(std::memory_order_acquire);
+    if (!(a & 1u)) return a;
+    if (i < 1000) continue;  // a live writer is two stores away from done
+    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    if (start == 0) start = now;
+    if (now - start >= kSeqWaitNs) break;
+    timespec ts{0, 100000};
+    nanosleep(&ts, nullptr);
+  }
+  if (may_repair) {
+    // A fresh open file description: flock() on our own fd_ would not
+    // exclude a writer using this same tracker from another thread.
+    char self[64];
+    std::snprintf(self, sizeof(self), "/proc/self/fd/%d", fd_);
+    int lfd = ::open(self, O_RDONLY | O_CLOEXEC);
+    if (lfd >= 0) {
+      if (flock(lfd, LOCK_EX | LOCK_NB) == 0) {
+        finish_dead_write_locked(rec_);
+        flock(lfd, LOCK_UN);
+      }
+      close(lfd);
+    }
+  }
+  return rec_->seq.load(std::memory_order_acquire);
 }
 
 MemInfoSnapshot MemInfoTracker::snapshot() const {
   MemInfoSnapshot s;
-  s.name = std::string(rec_->name, strnlen(rec_->name, sizeof(rec_->name)));
-  s.engine = std::string(rec_->engine, strnlen(rec_->engine, sizeof(rec_->engine)));
+  s.name = name_;  // the file name (validated); the name field must match it
+  auto bad = [&s](const std::string& why) {
+    if (s.problem.empty()) s.problem = why;
+  };
+  struct stat st;
+  bool stat_ok = fstat(fd_, &st) == 0;
+  if (stat_ok) s.owner_uid = st.st_uid;
+  uid_t euid = geteuid();
+  if (detached()) {
+    bad("the record file was truncated while mapped; this handle is detached from it");
+    return s;
+  }
+  if (!stat_ok || static_cast<size_t>(st.st_size) < sizeof(MemInfoRecord)) {
+    bad("the record file is " + (stat_ok ? std::to_string(st.st_size) : std::string("?")) + " bytes, not " +
+        std::to_string(sizeof(MemInfoRecord)) + " (truncated)");
+    return s;  // reading the mapping past the end of the file would fault
+  }
+  if (static_cast<size_t>(st.st_size) != sizeof(MemInfoRecord)) {
+    bad("the record file is " + std::to_string(st.st_size) + " bytes, not " + std::to_string(sizeof(MemInfoRecord)));
+  }
+  if (owner_ && st.st_uid != euid) {
+    bad("the record now belongs to uid " + std::to_string(st.st_uid) + ", not to its owner (uid " +
+        std::to_string(euid) + "); its limit is not trusted");
+  } else if (!owner_ && euid != 0 && st.st_uid != euid) {
+    bad("owned by uid " + std::to_string(st.st_uid) + ", not by this user");
+  }
+  if (st.st_mode & 022) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    bad(std::string("writable by other users (mode ") + mode + ")");
+  }
+  bool trusted_file = s.problem.empty();
+  if (reinterpret_cast<std::atomic<uint64_t>*>(&rec_->magic)->load(std::memory_order_acquire) != kMemInfoMagic ||
+      rec_->version != kMemInfoVersion || rec_->record_size != sizeof(MemInfoRecord)) {
+    bad("not a kvcached record of version " + std::to_string(kMemInfoVersion) + " (magic/version/size fields)");
+  }
+  size_t n = strnlen(rec_->name, sizeof(rec_->name));
+  if (n == sizeof(rec_->name) || n != name_.size() || std::memcmp(rec_->name, name_.data(), n) != 0) {
+    bad("its name field '" + escaped(rec_->name, n) + "' does not match the file name");
+  }
+  size_t en = strnlen(rec_->engine, sizeof(rec_->engine));
+  s.engine = escaped(rec_->engine, en);
+  if (en == sizeof(rec_->engine) || s.engine != std::string(rec_->engine, en) ||
+      (en && !valid_name(rec_->engine, en))) {
+    bad("its engine field '" + s.engine + "' is not printable ASCII");
+  }
   s.device_type = rec_->device_type;
   s.device_index = rec_->device_index;
+  if (s.device_type < 0 || s.device_type > 2 || s.device_index < 0 || s.device_index > 0xffff) {
+    bad("device type/index " + std::to_string(s.device_type) + "/" + std::to_string(s.device_index) + " out of range");
+  }
   s.owner_pid = rec_->owner_pid;
   s.owner_start_time = rec_->owner_start_time;
-  for (;;) {
-    uint32_t a = rec_->seq.load(std::memory_order_acquire);
-    if (a & 1u) continue;
+  if (s.owner_pid <= 0 || s.owner_pid > kMaxPid) bad("owner pid " + std::to_string(s.owner_pid) + " out of range");
+  bool paired = false;
+  for (int attempt = 0; attempt < 4 && !paired; ++attempt) {
+    uint32_t a = settled_seq(trusted_file);
     s.revision = rec_->revision.load(std::memory_order_acquire);
     s.limit = rec_->limit.load(std::memory_order_acquire);
-    if (rec_->seq.load(std::memory_order_acquire) == a) break;
+    if (a & 1u) break;  // a writer holds it (or a stopped one): busy
+    paired = rec_->seq.load(std::memory_order_acquire) == a;
   }
+  s.busy = !paired;
   s.used = rec_->used.load(std::memory_order_acquire);
   s.prealloc = rec_->prealloc.load(std::memory_order_acquire);
   s.total = rec_->total.load(std::memory_order_acquire);
@@ -233,6 +447,15 @@ MemInfoSnapshot MemInfoTracker::snapshot() const {
   s.applied_revision = rec_->applied_revision.load(std::memory_order_acquire);
   s.wanted = rec_->wanted.load(std::memory_order_acquire);
   s.wanted_ns = rec_->wanted_ns.load(std::memory_order_acquire);
+  s.quarantined = rec_->quarantined.load(std::memory_order_acquire);
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"limit", s.limit},     {"used", s.used},         {"prealloc", s.prealloc},         {"total", s.total},
+      {"granted", s.granted}, {"wanted", s.wanted},     {"device_bytes", s.device_bytes}, {"quarantined", s.quarantined},
+  };
+  for (const auto& f : sizes) {
+    if (!in_range(f.second)) bad(std::string(f.first) + " = " + std::to_string(f.second) + " is out of range");
+  }
+  if (s.updated_ns < 0 || s.wanted_ns < 0) bad("a timestamp field is negative");
   s.owner_alive = process_alive(s.owner_pid, s.owner_start_time);
   return s;
 }
@@ -246,81 +469,158 @@ void MemInfoTracker::publish_usage(int64_t used, int64_t prealloc) {
 void MemInfoTracker::set_total(int64_t total) { rec_->total.store(total, std::memory_order_release); }
 
 int64_t MemInfoTracker::set_limit(int64_t limit, int64_t expected_revision) {
-  if (limit < 0) invalid("limit must be >= 0 bytes, got " + std::to_string(limit));
-  FileLock lock(fd_);
-  uint32_t rev = rec_->revision.load(std::memory_order_acquire);
-  if (expected_revision >= 0 && static_cast<uint32_t>(expected_revision) != rev) return -1;
-  rec_->seq.fetch_add(1, std::memory_order_acq_rel);
-  rec_->limit.store(limit, std::memory_order_release);
-  rec_->revision.store(rev + 1, std::memory_order_release);
-  rec_->seq.fetch_add(1, std::memory_order_acq_rel);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&rec_->revision), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-  return static_cast<int64_t>(rev) + 1;
+  if (!in_range(limit)) invalid("limit must be >= 0 and at most 2^60 bytes, got " + std::to_string(limit));
+  if (expected_revision < -1 || expected_revision > static_cast<int64_t>(UINT32_MAX)) {
+    invalid("revision " + std::to_string(expected_revision) + " is outside [0, 4294967295] (revisions are 32-bit)");
+  }
+  MemInfoSnapshot now = snapshot();
+  if (!now.problem.empty()) {
+    invalid("record '" + name_ + "' is invalid (" + now.problem + "); nothing was written. Remove it with `kvctl delete " +
+            name_ + "` or restart that instance");
+  }
+  char self[64];
+  std::snprintf(self, sizeof(self), "/proc/self/fd/%d", fd_);
+  int lfd = ::open(self, O_RDONLY | O_CLOEXEC);  // own open file description: excludes this process's threads too
+  if (lfd < 0) fail(ErrorKind::Backend, "cannot lock record '" + name_ + "': " + std::strerror(errno));
+  int64_t out = -1;
+  {
+    FileLock lock(lfd, kWriteLockWaitNs);
+    if (!lock.held_) {
+      close(lfd);
+      fail(ErrorKind::Backend, "record '" + name_ + "' stayed locked by another writer for " +
+                                   std::to_string(kWriteLockWaitNs / 1000000000) +
+                                   " s (a stopped kvctl?); nothing was written, retry");
+    }
+    finish_dead_write_locked(rec_);
+    uint32_t rev = rec_->revision.load(std::memory_order_acquire);
+    if (expected_revision < 0 || static_cast<uint32_t>(expected_revision) == rev) {
+      rec_->seq.fetch_add(1, std::memory_order_acq_rel);
+      rec_->limit.store(limit, std::memory_order_release);
+      rec_->revision.store(rev + 1, std::memory_order_release);
+      rec_->seq.fetch_add(1, std::memory_order_acq_rel);
+      futex_wake_all(&rec_->revision);
+      out = static_cast<int64_t>(static_cast<uint32_t>(rev + 1));
+    }
+  }
+  close(lfd);
+  return out;
 }
 
 uint32_t MemInfoTracker::wait_for_change(uint32_t seen, int timeout_ms) const {
   uint32_t cur = rec_->revision.load(std::memory_order_acquire);
   if (cur != seen) return cur;
+  if (timeout_ms < 0) timeout_ms = 0;
   timespec ts{timeout_ms / 1000, static_cast<long>(timeout_ms % 1000) * 1000000L};
   // Shared (not private) futex: the word lives in a mapping other processes share.
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(&rec_->revision), FUTEX_WAIT, seen, &ts, nullptr, 0);
   return rec_->revision.load(std::memory_order_acquire);
 }
 
-void MemInfoTracker::wake() const {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&rec_->revision), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-}
+void MemInfoTracker::wake() const { futex_wake_all(&rec_->revision); }
 
 void MemInfoTracker::set_granted(int64_t bytes) {
-  if (bytes < 0) invalid("granted bytes must be >= 0, got " + std::to_string(bytes));
+  if (!in_range(bytes)) invalid("granted bytes must be >= 0 and at most 2^60, got " + std::to_string(bytes));
   rec_->granted.store(bytes, std::memory_order_release);
 }
 
 void MemInfoTracker::set_device_bytes(int64_t bytes) {
-  if (bytes < 0) invalid("device bytes must be >= 0, got " + std::to_string(bytes));
+  if (!in_range(bytes)) invalid("device bytes must be >= 0 and at most 2^60, got " + std::to_string(bytes));
   rec_->device_bytes.store(bytes, std::memory_order_release);
 }
 
 void MemInfoTracker::set_wanted(int64_t bytes) {
-  if (bytes < 0) invalid("wanted bytes must be >= 0, got " + std::to_string(bytes));
+  if (!in_range(bytes)) invalid("wanted bytes must be >= 0 and at most 2^60, got " + std::to_string(bytes));
   // Time first: a reader that sees the new bytes also sees a fresh time.
   rec_->wanted_ns.store(now_ns(), std::memory_order_release);
   rec_->wanted.store(bytes, std::memory_order_release);
+}
+
+void MemInfoTracker::set_quarantined(int64_t bytes) {
+  if (!in_range(bytes)) invalid("quarantined bytes must be >= 0 and at most 2^60, got " + std::to_string(bytes));
+  rec_->quarantined.store(bytes, std::memory_order_release);
 }
 
 void MemInfoTracker::ack_revision(uint32_t revision) {
   rec_->applied_revision.store(revision, std::memory_order_release);
 }
 
-void MemInfoTracker::unlink() { shm_unlink(shm_name(name_).c_str()); }
+void MemInfoTracker::unlink() {
+  // Only the file this handle maps: a successor may have taken the name.
+  std::string path = shm_path(name_);
+  struct stat mine, now;
+  if (fstat(fd_, &mine) == 0 && lstat(path.c_str(), &now) == 0 && mine.st_ino == now.st_ino &&
+      mine.st_dev == now.st_dev) {
+    ::unlink(path.c_str());
+  }
+}
 
 std::vector<std::string> list_mem_info_records() {
   std::vector<std::string> out;
-  DIR* d = opendir("/dev/shm");
+  DIR* d = opendir(kShmDir);
   if (!d) return out;
   while (dirent* e = readdir(d)) {
-    std::string n = e->d_name;
-    if (n == "." || n == "..") continue;
-    int fd = shm_open(("/" + n).c_str(), O_RDONLY | O_CLOEXEC, 0);
+    size_t n = strlen(e->d_name);
+    if (!valid_name(e->d_name, n)) continue;  // kvcached never makes such a name
+    if (e->d_type != DT_REG && e->d_type != DT_UNKNOWN) continue;
+    std::string name(e->d_name, n);
+    int fd = open_shm(name, O_RDONLY);
     if (fd < 0) continue;
     uint64_t magic = 0;
     struct stat st;
-    bool ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && static_cast<size_t>(st.st_size) == sizeof(MemInfoRecord) &&
+    bool ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
               pread(fd, &magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) && magic == kMemInfoMagic;
     close(fd);
-    if (ok) out.push_back(n);
+    if (ok) out.push_back(std::move(name));
   }
   closedir(d);
   return out;
 }
 
 void delete_mem_info_record(const std::string& name, bool force) {
-  MemInfoSnapshot s = MemInfoTracker::open(name).snapshot();
-  if (s.owner_alive && !force) {
-    invalid("instance '" + name + "' is alive (pid " + std::to_string(s.owner_pid) +
-            "); stop it first, or pass --force");
+  std::string path = shm_path(name);
+  struct stat lst;
+  if (lstat(path.c_str(), &lst) != 0) {
+    if (errno == ENOENT) invalid("no kvcached instance named '" + name + "'; see `kvctl list`");
+    fail(ErrorKind::Backend, "cannot inspect /dev/shm/" + name + ": " + std::strerror(errno));
   }
-  shm_unlink(shm_name(name).c_str());
+  uid_t euid = geteuid();
+  if (lst.st_uid != euid && euid != 0) {
+    invalid("record '" + name + "' belongs to uid " + std::to_string(lst.st_uid) +
+            "; only that user (or root) can delete it");
+  }
+  if (!S_ISREG(lst.st_mode)) {
+    invalid("'" + name + "' in /dev/shm is not a kvcached record (not a regular file); nothing was deleted");
+  }
+  int fd = open_shm(name, O_RDONLY);
+  if (fd < 0) fail(ErrorKind::Backend, "cannot open /dev/shm/" + name + ": " + std::strerror(errno));
+  // Read a copy (no mapping: the file may be truncated under us).
+  alignas(8) char buf[sizeof(MemInfoRecord)] = {};
+  struct stat st;
+  bool same = fstat(fd, &st) == 0 && st.st_ino == lst.st_ino && st.st_dev == lst.st_dev;
+  ssize_t n = pread(fd, buf, sizeof(buf), 0);
+  close(fd);
+  if (!same) invalid("'" + name + "' was replaced while being deleted (a new instance?); nothing was deleted, retry");
+  uint64_t magic = 0;
+  if (n >= static_cast<ssize_t>(sizeof(magic))) std::memcpy(&magic, buf, sizeof(magic));
+  if (magic != kMemInfoMagic) {
+    invalid("'" + name + "' in /dev/shm is not a kvcached record; nothing was deleted (remove it by hand if it is yours)");
+  }
+  if (n == static_cast<ssize_t>(sizeof(buf)) && !force) {
+    int32_t pid = 0;
+    uint64_t start = 0;
+    std::memcpy(&pid, buf + offsetof(MemInfoRecord, owner_pid), sizeof(pid));
+    std::memcpy(&start, buf + offsetof(MemInfoRecord, owner_start_time), sizeof(start));
+    if (process_alive(pid, start)) {
+      invalid("instance '" + name + "' is alive (pid " + std::to_string(pid) + "); stop it first, or pass --force");
+    }
+  }
+  struct stat now;
+  if (lstat(path.c_str(), &now) != 0 || now.st_ino != lst.st_ino || now.st_dev != lst.st_dev) {
+    invalid("'" + name + "' was replaced while being deleted (a new instance?); nothing was deleted, retry");
+  }
+  if (::unlink(path.c_str()) != 0) {
+    fail(ErrorKind::Backend, "could not delete /dev/shm/" + name + ": " + std::strerror(errno) + "; it is still there");
+  }
 }
 
 }  // namespace kvcached

@@ -16,6 +16,13 @@ class LocalMapper final : public Mapper {
   explicit LocalMapper(int group_id) : group_id_(group_id) {}
   void map(const std::vector<int64_t>& offsets) override { registry::group(group_id_, false)->map(offsets); }
   void unmap(const std::vector<int64_t>& offsets) override { registry::group(group_id_, false)->unmap(offsets); }
+  int64_t quarantined_bytes() const override {
+    try {
+      return registry::group(group_id_, false)->quarantined_bytes();
+    } catch (const Error&) {
+      return 0;  // not initialized or shut down
+    }
+  }
 
  private:
   int group_id_;
@@ -123,6 +130,7 @@ std::vector<int64_t> PageAllocator::alloc_pages(size_t n) {
     }
     inuse_ -= from_reserve;
     last_error_ = e.what();
+    publish_quarantine_locked();
     throw;
   }
   lk.lock();
@@ -181,6 +189,7 @@ void PageAllocator::unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::m
       for (int64_t id : ids) state_[id] = State::Quarantined;
       mapped_ -= ids.size();
       quarantined_ += ids.size();
+      publish_quarantine_locked();
       throw;
     }
     // Rolled back: the pages are still mapped and unused. Within the target
@@ -196,6 +205,7 @@ void PageAllocator::unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::m
   for (int64_t id : ids) put_free_locked(id);
   mapped_ -= ids.size();
   publish_locked();
+  publish_quarantine_locked();
   cv_.notify_all();
 }
 
@@ -259,6 +269,7 @@ void PageAllocator::attach_tracker(std::shared_ptr<MemInfoTracker> tracker) {
   tracker_ = std::move(tracker);
   if (tracker_) tracker_->set_total(static_cast<int64_t>(num_virtual_pages_ * bytes_per_page()));
   publish_locked();
+  publish_quarantine_locked();
 }
 
 void PageAllocator::publish_locked() {
@@ -266,6 +277,14 @@ void PageAllocator::publish_locked() {
   int64_t bpp = static_cast<int64_t>(bytes_per_page());
   // "prealloc" counts every mapped page not handed out: reserve and in-flight maps.
   tracker_->publish_usage(static_cast<int64_t>(inuse_) * bpp, static_cast<int64_t>(mapped_ - inuse_) * bpp);
+}
+
+void PageAllocator::publish_quarantine_locked() {
+  if (!tracker_) return;
+  // Pages lost to a failed unmap, or the handles the mapper could not release
+  // (the same memory may be counted by both: take the larger).
+  int64_t pages = static_cast<int64_t>(quarantined_ * bytes_per_page());
+  tracker_->set_quarantined(std::max(pages, mapper_->quarantined_bytes()));
 }
 
 void PageAllocator::start_prealloc_thread() {
@@ -311,6 +330,7 @@ void PageAllocator::prealloc_loop() {
       last_error_ = e.what();
       put_free_locked(id);
       --mapped_;
+      publish_quarantine_locked();
       cv_.notify_all();  // an alloc waiting for this page decides again
       // Pressure or tensors not created yet: back off instead of spinning.
       cv_.wait_for(lk, std::chrono::milliseconds(100));

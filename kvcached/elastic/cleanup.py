@@ -37,7 +37,7 @@ def cleanup_dead_instances(prefix: str = "", failed: Optional[Dict[str, str]] = 
     uid = os.geteuid()
     deleted: List[str] = []
     for r in list_records():
-        if r.alive or not r.name.startswith(prefix) or (uid != 0 and r.owner_uid not in (uid, -1)):
+        if r.alive or not r.name.startswith(prefix) or (uid != 0 and r.owner_uid != uid):
             continue
         try:
             _C.delete_mem_info_record(r.name, False)  # re-checks liveness: a restarted owner is kept

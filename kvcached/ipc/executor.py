@@ -24,6 +24,8 @@ executor. Hooks run under the executor's lock, one at a time.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -32,12 +34,31 @@ from kvcached import _C, vmm_ops
 from kvcached.errors import InvalidArgumentError
 from kvcached.ipc.protocol import OUTCOMES, WorkerState
 
+log = logging.getLogger("kvcached.ipc")
+
 MAP_HISTORY = 4096
 
 # What the MAP history holds per (group, tx): the offsets it newly mapped, or
 # one of these statuses. A FAILED MAP changed nothing, so a retry runs again.
 _ROLLED_BACK = "rolled back"
 _FAILED = "failed"
+
+
+_warned_leak = False
+
+
+def _note_leaks() -> None:
+    """Logs once per process when KV memory could not be released (a failed
+    driver call): QUERY reports it per group, shutdown retries it."""
+    global _warned_leak
+    if not _warned_leak and _C.quarantined_bytes():
+        _warned_leak = True
+        log.warning(
+            "kvcached worker (pid %d): %d bytes of KV memory could not be released (a failed driver call); "
+            "they stay allocated until shutdown retries them",
+            os.getpid(),
+            _C.quarantined_bytes(),
+        )
 
 
 class VmmExecutor:
@@ -117,7 +138,8 @@ class VmmExecutor:
             if isinstance(prev, list) and prev:
                 self.unmap_pages(group, prev)  # raises if it cannot; then state is kept
             self._remember(key, _ROLLED_BACK)
-            return len(prev) if isinstance(prev, list) else 0
+        _note_leaks()
+        return len(prev) if isinstance(prev, list) else 0
 
     def prepare(self, group: int, tx: int, offsets: Sequence[int]) -> None:
         key = (group, tx)
@@ -135,6 +157,7 @@ class VmmExecutor:
         with self._lock:
             self.commit_unmap(group, tx)
             self._staged.pop((group, tx), None)
+        _note_leaks()
 
     def abort(self, group: int, tx: int) -> None:
         key = (group, tx)

@@ -27,15 +27,15 @@ note_shortage``) publishes the bytes it lacks in its record (renewed while it
 keeps missing, withdrawn by ``clear_want`` once it does not), and idle engines
 that see a current want (``wanting``) evict their cached pages.
 
-Scope: records are 0600, so a process sees (and counts) only its own user's
-instances (root sees all). ``scope`` narrows a budget to the instances whose
+Scope: a budget counts only valid records of its own user (records are 0600;
+a record of another uid, even root's view of one, is never trusted: anyone can
+plant a file in /dev/shm). ``scope`` narrows a budget to the instances whose
 names start with it (separate tenants or test runs on one host).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import time
@@ -43,9 +43,10 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
 from kvcached import _C
-from kvcached.errors import InvalidArgumentError
+from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits.records import RecordView, device_name, list_records, parse_device
 from kvcached.limits.units import format_size, parse_size
+from kvcached.limits.user_lock import UserLock
 
 ENV_GPU_UTILIZATION = "KVCACHED_GPU_UTILIZATION"
 ENV_HOST_BUDGET = "KVCACHED_HOST_MEMORY_BUDGET"
@@ -105,8 +106,8 @@ class DeviceBudget:
     """The usable bytes of one device and the instances sharing them.
 
     Cheap to build; it holds no resources between calls. Thread- and
-    process-safe: the lock is an flock on a per-user, per-device file in
-    /dev/shm, opened anew for each acquisition so threads of one process
+    process-safe: the lock is a UserLock (flocks on per-user, per-device files
+    in /dev/shm), opened anew for each acquisition so threads of one process
     exclude each other too.
     """
 
@@ -124,8 +125,14 @@ class DeviceBudget:
 
     @property
     def lock_path(self) -> str:
-        """The lock file in /dev/shm (one per user, device and scope)."""
+        """The lock's first file in /dev/shm (one per user, device and scope;
+        kvcached.limits.user_lock says why it has fallbacks)."""
         return self._lock_path
+
+    @property
+    def lock_paths(self) -> List[str]:
+        """Every file the lock may use."""
+        return UserLock(self._lock_path).paths
 
     @classmethod
     def from_env(cls, device: str, *, scope: str = "") -> DeviceBudget:
@@ -137,26 +144,32 @@ class DeviceBudget:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Excludes every other grant change on this device (all processes of this user)."""
-        # O_NOFOLLOW + owner check: /dev/shm is world-writable, so refuse a
-        # planted symlink or another user's file instead of locking through it.
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        """Excludes every other grant change on this device (all processes of this user).
+
+        Bounded: a lock held for ``user_lock.DEFAULT_WAIT_S`` (a stopped
+        holder) raises OutOfMemoryError, an allocation miss the caller retries.
+        """
+        lock = UserLock(self._lock_path)
         try:
-            if os.fstat(fd).st_uid != os.geteuid():
-                raise InvalidArgumentError(
-                    f"{self._lock_path} belongs to another user; remove it so kvcached can create its own"
-                )
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fds = lock.acquire()
+        except TimeoutError as e:
+            raise OutOfMemoryError(f"device budget of {self.device} not checked: {e}; retry") from None
+        try:
             yield
         finally:
-            os.close(fd)  # drops the flock
+            lock.release(fds)
 
     def members(self, exclude: Optional[str] = None) -> List[RecordView]:
-        """Live records of this device within the scope, except ``exclude``."""
+        """Live, valid records of this user on this device within the scope,
+        except ``exclude``. Another user's records never count: anyone could
+        plant one (budgets are per user, see the module doc)."""
+        uid = os.geteuid()
         return [
             r
             for r in list_records()
             if r.alive
+            and r.valid
+            and r.owner_uid == uid
             and r.device_type == self.device_type
             and r.device_index == self.device_index
             and r.name.startswith(self.scope)

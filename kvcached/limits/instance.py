@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Optional, Union
 from kvcached import _C
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits.budget import DeviceBudget
+from kvcached.limits.owned_record import create_record, record_trusted
 from kvcached.limits.records import RecordView, parse_device
 from kvcached.limits.units import format_size
 from kvcached.naming import group_name as group_record_name
@@ -120,11 +121,12 @@ class InstanceLimits:
                 f"limit {format_size(limit_bytes)} exceeds the usable memory of {device} "
                 f"({format_size(device_bytes)}); give a smaller limit_bytes"
             )
-        self._quantum_req = quantum_bytes
-        self._tracker = _C.MemInfoTracker.create(
+        self._quantum_req, self._device_bytes = quantum_bytes, device_bytes
+        self.name, self._tracker = create_record(
             self.name, engine, dev_type, dev_index, int(total_bytes), int(limit_bytes)
         )
         self._tracker.set_device_bytes(device_bytes)
+        self._warned: set = set()  # what was logged once already
         self._owner_pid = os.getpid()
         self._lock = threading.RLock()  # guards limit/grant/cap and the PageAllocator cap
         self._limit = int(limit_bytes)
@@ -245,8 +247,10 @@ class InstanceLimits:
                 logger.exception("kvcached: applying the limit of %s failed", self.name)
 
     def _apply_limit(self) -> int:
-        """Reads the record's limit and enforces it; returns the revision applied."""
+        """Enforces the record's limit if record_trusted() allows; returns the revision seen."""
         snap = self._tracker.snapshot()
+        if not record_trusted(snap, self.name, self._limit, self._device_bytes, self._warned):
+            return self._applied_revision if snap.busy else int(snap.revision)
         with self._lock:
             self._limit = int(snap.limit)
             if self.budget is not None and self._grant > self._limit:

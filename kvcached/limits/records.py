@@ -181,19 +181,19 @@ class RecordView:
             updated_ns=s.updated_ns,
             wanted=s.wanted,
             wanted_ns=s.wanted_ns,
-            quarantined=getattr(s, "quarantined", 0),
-            owner_uid=getattr(s, "owner_uid", -1),
-            problem=getattr(s, "problem", ""),
-            busy=getattr(s, "busy", False),
+            quarantined=s.quarantined,
+            owner_uid=s.owner_uid,
+            problem=s.problem,
+            busy=s.busy,
         )
 
     @classmethod
-    def unreadable(cls, name: str, problem: str) -> RecordView:
+    def unreadable(cls, name: str, problem: str, owner_uid: int = -1) -> RecordView:
         """A file that looks like a record but cannot be opened as one."""
         return cls(
             name=name, engine="", device="?", device_type=-1, device_index=0, owner_pid=0, alive=False,
             revision=0, applied_revision=0, limit=0, used=0, prealloc=0, total=0, granted=0, device_bytes=0,
-            updated_ns=0, problem=problem,
+            updated_ns=0, owner_uid=owner_uid, problem=problem,
         )  # fmt: skip
 
 
@@ -218,7 +218,10 @@ def list_records() -> List[RecordView]:
         try:
             out.append(read_record(name))
         except _C.KvcachedError as e:
-            if os.path.lexists(os.path.join(SHM_DIR, name)):
-                out.append(RecordView.unreadable(name, str(e)))
+            try:
+                uid = os.lstat(os.path.join(SHM_DIR, name)).st_uid
+            except OSError:
+                continue  # removed meanwhile
+            out.append(RecordView.unreadable(name, str(e), uid))
     out.sort(key=lambda r: (r.device_type, r.device_index, r.name))
     return out

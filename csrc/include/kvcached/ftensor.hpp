@@ -4,8 +4,10 @@
 //
 // Invariant kept here: a unit is Zero (zero page mapped), Mapped (own handle
 // mapped) or Hole (neither: a rollback failed; the unit is quarantined and
-// the owner must fail closed). Handles whose release is uncertain are kept in
-// a quarantine list and never reused.
+// the owner must fail closed). Handles whose state is unknown are kept in a
+// quarantine list and never reused; handles whose release failed (mapped
+// nowhere) in an unreleased list. Both count as quarantined bytes, and
+// release_quarantine() (at shutdown) gives back what the driver lets go.
 #pragma once
 
 #include <cstddef>
@@ -60,13 +62,22 @@ class FTensor {
   // Maps a retained handle back at unit i (which must be Zero). On error the
   // caller still owns `h`; a Hole throws StateConsistency.
   void remap(size_t i, PhysHandle h);
-  // Releases a handle that is mapped nowhere; a failing release quarantines it.
+  // Releases a handle that is mapped nowhere; a failing release keeps it in
+  // the unreleased list (retried by release_quarantine()).
   void release(PhysHandle h);
   // Keeps a handle whose state is unknown out of circulation for good.
   void quarantine(PhysHandle h);
+  // Shutdown: retries the unreleased handles, unmaps holes (zero page back),
+  // then releases the quarantined handles (each was never released; a handle
+  // still mapped somewhere is freed by the driver when it is unmapped).
+  // Returns the bytes still held after that.
+  int64_t release_quarantine();
 
   size_t num_mapped() const { return num_mapped_; }
-  size_t num_quarantined() const { return quarantined_.size() + holes_; }
+  size_t num_quarantined() const { return quarantined_.size() + unreleased_.size() + holes_; }
+  int64_t quarantined_bytes() const {
+    return static_cast<int64_t>((quarantined_.size() + unreleased_.size()) * unit_);
+  }
 
  private:
   enum class Unit : uint8_t { Zero, Mapped, Hole };
@@ -87,8 +98,12 @@ class FTensor {
   std::vector<Unit> state_;
   std::vector<PhysHandle> handles_;
   std::vector<PhysHandle> quarantined_;
+  std::vector<PhysHandle> unreleased_;
   size_t num_mapped_ = 0;
   size_t holes_ = 0;
 };
+
+// Bytes quarantined or unreleased in every FTensor of this process now.
+int64_t quarantined_bytes_total();
 
 }  // namespace kvcached

@@ -36,7 +36,8 @@ struct AllocatorStats {
   int64_t mapped_pages = 0;
   int64_t prepared_pages = 0;
   int64_t physical_bytes = 0;  // bytes of live handles of this allocator (zero page excluded)
-  int64_t quarantined = 0;
+  int64_t quarantined = 0;        // units (handles or holes) out of circulation
+  int64_t quarantined_bytes = 0;  // bytes of quarantined or unreleased handles: still allocated
   int64_t pending_transactions = 0;
 };
 
@@ -85,9 +86,14 @@ class FTensorAllocator {
   bool failed() const;
   std::string failure() const;
 
-  // Releases every physical page. The tensors' address ranges stay valid
-  // (zero page) until their last user drops them. Later calls raise Shutdown.
-  void shutdown();
+  // Bytes of quarantined or unreleased handles (see FTensor).
+  int64_t quarantined_bytes() const;
+
+  // Releases every physical page, quarantined ones too where the driver
+  // allows; returns the bytes it could not release. The tensors' address
+  // ranges stay valid (zero page) until their last user drops them. Later
+  // calls raise Shutdown.
+  int64_t shutdown();
 
  private:
   enum class Page : uint8_t { Unmapped, Mapped, Prepared };
@@ -150,7 +156,8 @@ struct Config {
 void init(const std::string& device, size_t page_size, bool contiguous);
 bool initialized();
 Config config();
-void shutdown();
+// Shuts every group down; returns the bytes that could not be released.
+int64_t shutdown();
 // The allocator of a group, created on demand with the init() configuration.
 std::shared_ptr<FTensorAllocator> group(int group_id, bool create);
 std::vector<std::shared_ptr<FTensorAllocator>> all_groups();

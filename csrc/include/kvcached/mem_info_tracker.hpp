@@ -13,6 +13,20 @@
 //    device, 0 if unknown) and `applied_revision` (the last limit revision its
 //    PageAllocator enforces). wake() wakes the owner's watcher without a
 //    limit change (a peer asking it to give back unused budget).
+//
+// Nothing read from a record is trusted before it is checked (docs/SECURITY.md):
+//  - snapshot() validates the file (regular, the record's size, owner uid,
+//    not writable by others) and every field (magic, version, ranges, a name
+//    of printable ASCII equal to the file name) and reports the first failed
+//    check in `problem` instead of throwing; names come back escaped.
+//  - A reader waits a bounded time for an odd `seq` (a write in progress).
+//    After that it takes the record's lock without waiting: if it gets it,
+//    the writer died between its two `seq` updates and the reader completes
+//    the write (bumps the revision, so the owner re-reads the limit); if not,
+//    the snapshot is marked `busy`.
+//  - A record truncated while mapped would raise SIGBUS at the next access; a
+//    SIGBUS handler replaces the vanished page by an anonymous one and marks
+//    the handle detached (its snapshot says so) instead of killing the process.
 #pragma once
 
 #include <atomic>
@@ -53,7 +67,10 @@ struct MemInfoRecord {
   // peers read it and give their cached pages back. 0 bytes: nothing wanted.
   std::atomic<int64_t> wanted;
   std::atomic<int64_t> wanted_ns;  // CLOCK_REALTIME of the last set_wanted
-  char reserved1[24];
+  // Bytes of the instance's memory that could not be released (a failed
+  // driver call): allocated until the owner exits. Carved from reserved1.
+  std::atomic<int64_t> quarantined;
+  char reserved1[16];
 };
 static_assert(sizeof(MemInfoRecord) == 312, "the shared record layout must not change size");
 
@@ -76,7 +93,19 @@ struct MemInfoSnapshot {
   uint32_t applied_revision = 0;
   int64_t wanted = 0;
   int64_t wanted_ns = 0;
+  int64_t quarantined = 0;
+  int64_t owner_uid = -1;  // uid owning the file
+  std::string problem;     // why the record cannot be trusted; empty: valid
+  bool busy = false;       // a limit write did not finish within the readers' bound
 };
+
+// Field bounds a valid record keeps (anything beyond is corruption).
+constexpr int64_t kMaxRecordBytes = int64_t(1) << 60;
+constexpr int kMaxPid = 1 << 22;  // PID_MAX_LIMIT on 64-bit Linux
+// How long a reader waits for an odd seqlock word before it tries the repair.
+constexpr int64_t kSeqWaitNs = 50 * 1000 * 1000;
+// How long a limit writer waits for the record's lock.
+constexpr int64_t kWriteLockWaitNs = int64_t(2) * 1000 * 1000 * 1000;
 
 class MemInfoTracker {
  public:
@@ -92,11 +121,15 @@ class MemInfoTracker {
   ~MemInfoTracker();
 
   const std::string& name() const { return name_; }
+  // Never throws for bad contents: see `problem` and `busy`.
   MemInfoSnapshot snapshot() const;
   void publish_usage(int64_t used, int64_t prealloc);
   void set_total(int64_t total);
   // Sets the limit; returns the new revision. If expected_revision >= 0 and
   // differs from the current one, nothing changes and -1 is returned.
+  // Refuses (InvalidArgument) an invalid record, a limit outside
+  // [0, kMaxRecordBytes] and an expected revision outside [-1, 2^32); a lock
+  // held by another writer for kWriteLockWaitNs is a Backend error.
   int64_t set_limit(int64_t limit, int64_t expected_revision);
   // Blocks until revision != seen, timeout_ms passes or wake() is called;
   // returns the revision.
@@ -109,23 +142,33 @@ class MemInfoTracker {
   void ack_revision(uint32_t revision);
   // Publishes the bytes the owner lacks now (0: none) with the time.
   void set_wanted(int64_t bytes);
+  void set_quarantined(int64_t bytes);
   // Removes the name from /dev/shm (open mappings stay valid).
   void unlink();
 
  private:
-  MemInfoTracker(std::string name, int fd, MemInfoRecord* rec);
+  MemInfoTracker(std::string name, int fd, MemInfoRecord* rec, int guard, bool owner);
+  // Waits (bounded) for an even seq, repairing a write a dead writer left
+  // half done; returns the even seq, or an odd one if still busy.
+  uint32_t settled_seq(bool may_repair) const;
+  bool detached() const;
   std::string name_;
   int fd_ = -1;
   MemInfoRecord* rec_ = nullptr;
+  int guard_ = -1;      // SIGBUS guard slot of the mapping (-1: none)
+  bool owner_ = false;  // made by create(): the file must stay ours
 };
 
-// Names of kvcached records in /dev/shm readable by this user.
+// Names of files in /dev/shm that start with the record magic and are
+// readable by this user (a name kvcached could not have made is skipped).
 std::vector<std::string> list_mem_info_records();
 // Alive: the pid exists with this start time (0: any) and has not exited
 // (an exited, unreaped zombie holds no memory and counts as dead).
 bool process_alive(int pid, uint64_t start_time);
 uint64_t process_start_time(int pid);
-// Removes a record; refuses (InvalidArgument) while its owner lives unless force.
+// Removes a record; refuses (InvalidArgument) while its owner lives unless
+// force, another user's record, and a file that is not a record. Throws
+// unless the name is really gone (or now names another file: a new owner).
 void delete_mem_info_record(const std::string& name, bool force);
 
 }  // namespace kvcached

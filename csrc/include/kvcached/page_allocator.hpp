@@ -31,6 +31,8 @@ class Mapper {
   // Both are all-or-nothing and throw kvcached::Error.
   virtual void map(const std::vector<int64_t>& offsets) = 0;
   virtual void unmap(const std::vector<int64_t>& offsets) = 0;
+  // Bytes the mapper could not release (quarantined), where it knows; 0 else.
+  virtual int64_t quarantined_bytes() const { return 0; }
 };
 
 // Maps through this process's FTensorAllocator of `group_id` (looked up per call,
@@ -103,6 +105,8 @@ class PageAllocator {
   void unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::mutex>& lk);
   void prealloc_loop();
   void publish_locked();
+  // After a failed map or any unmap: the record's quarantined bytes.
+  void publish_quarantine_locked();
 
   PageAllocatorOptions opts_;
   std::shared_ptr<Mapper> mapper_;
