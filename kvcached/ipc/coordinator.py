@@ -35,9 +35,7 @@ per rank at a time). No log line per call: only anomalies are logged.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -50,8 +48,8 @@ from kvcached._C import (
 )
 from kvcached.errors import InvalidArgumentError
 from kvcached.ipc import paths, protocol, settings
+from kvcached.ipc.peer import Closed, Lost, NoReply, Peer
 from kvcached.ipc.protocol import Cmd, ProtocolError, WorkerState
-from kvcached.ipc.transport import ConnectionClosed, FrameReader, peer_credentials
 
 log = logging.getLogger("kvcached.ipc")
 
@@ -61,113 +59,12 @@ log = logging.getLogger("kvcached.ipc")
 _OK, _ERR, _UNSENT, _LOST, _TIMEOUT = "ok", "error", "unsent", "lost", "timeout"
 
 
-class _Lost(Exception):
-    """The connection is gone or unusable; the request's effect is unknown."""
-
-
-class _Timeout(Exception):
-    """No reply in time; the connection stays (the reply may still come)."""
-
-
 @dataclass
 class _Result:
     status: str
     body: bytes = b""
     kind: int = ERROR_KIND_BACKEND
     detail: str = ""
-
-
-class _Peer:
-    """The persistent connection to one worker. Guarded by the coordinator's lock."""
-
-    def __init__(self, rank: int, pp_rank: int, path: str, timeout: float, spin_s: float, next_rid) -> None:
-        self.spin_s = spin_s
-        self.rank = rank
-        self.pp_rank = pp_rank
-        self.path = path
-        self.timeout = timeout
-        self._next_rid = next_rid
-        self.sock: Optional[socket.socket] = None
-        self.reader: Optional[FrameReader] = None
-        self.pid = 0
-
-    @property
-    def name(self) -> str:
-        return f"rank {self.rank} (pp {self.pp_rank})"
-
-    def connect(self, deadline: float, wait: bool = True) -> None:
-        """Connects and checks who answers. While the socket is missing or refused
-        (worker not started yet, or restarting) retries until ``deadline`` when ``wait``."""
-        delay = 0.002
-        while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.settimeout(max(0.001, min(self.timeout, deadline - time.monotonic())))
-                s.connect(self.path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError) as e:
-                s.close()
-                if not wait or time.monotonic() + delay >= deadline:
-                    raise _Lost(f"no listener at {self.path} ({e.strerror})") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-            except OSError as e:
-                s.close()
-                raise _Lost(f"cannot connect to {self.path}: {e}") from None
-        _, uid, _ = peer_credentials(s)
-        if uid != os.geteuid():
-            s.close()
-            raise _Lost(f"{self.path} is served by uid {uid}, not by us (uid {os.geteuid()}); refusing to talk to it")
-        self.sock, self.reader = s, FrameReader(s, nonblocking=True, spin_s=self.spin_s)
-        rid = self._next_rid()
-        self.send(protocol.frame(Cmd.HELLO, rid))
-        try:
-            cmd, body = self.recv(rid, max(deadline, time.monotonic() + 0.05))
-        except _Timeout:
-            self.close()
-            raise _Lost(f"{self.path} accepted but did not answer HELLO in time") from None
-        try:
-            if cmd != protocol.OK | Cmd.HELLO:
-                raise ProtocolError("handshake", "HELLO refused")
-            rank, pp_rank, self.pid = protocol.parse_hello_reply(body)
-        except ProtocolError as e:
-            self.close()
-            raise _Lost(f"{self.path}: {e}") from None
-        if (rank, pp_rank) != (self.rank, self.pp_rank):
-            self.close()
-            raise _Lost(f"{self.path} is served by rank {rank} (pp {pp_rank}), expected {self.name}")
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-        self.sock = self.reader = None
-
-    def send(self, data: bytes) -> None:
-        if self.sock is None:
-            raise _Lost("not connected")
-        try:
-            self.reader.send(data, self.timeout)
-        except (OSError, TimeoutError) as e:
-            self.close()
-            raise _Lost(f"send failed: {e}") from None
-
-    def recv(self, rid: int, deadline: float) -> Tuple[int, bytes]:
-        """The reply to request ``rid``; late replies to abandoned requests are skipped."""
-        if self.reader is None:
-            raise _Lost("not connected")
-        while True:
-            try:
-                cmd, got, body = self.reader.read(deadline - time.monotonic(), self.timeout)
-            except TimeoutError:
-                raise _Timeout() from None
-            except ConnectionClosed:
-                self.close()
-                raise _Lost("the worker closed the connection") from None
-            except (ProtocolError, OSError) as e:
-                self.close()
-                raise _Lost(str(e)) from None
-            if got == rid:
-                return cmd, body
 
 
 class TPCoordinator:
@@ -204,7 +101,7 @@ class TPCoordinator:
         stages = range(pp_size) if pp_rank == -1 else [pp_rank]
         self._rid = 0
         self._peers = [
-            _Peer(r, k, paths.socket_path(r, k, self.ipc_name), self.timeout, settings.ipc_spin_s(), self._next_rid)
+            Peer(r, k, paths.socket_path(r, k, self.ipc_name), self.timeout, settings.ipc_spin_s(), self._next_rid)
             for k in stages
             for r in range(self.tp_size)
         ]
@@ -258,7 +155,7 @@ class TPCoordinator:
 
     # ---- fan-out primitives ------------------------------------------------------
 
-    def _fan_out(self, peers: List[_Peer], cmd: int, body: bytes, wait: bool = True) -> List[_Result]:
+    def _fan_out(self, peers: List[Peer], cmd: int, body: bytes, wait: bool = True) -> List[_Result]:
         """Sends one request to every peer, then collects the replies (one timeout for all)."""
         deadline = time.monotonic() + self.timeout
         rid = self._next_rid()
@@ -268,24 +165,45 @@ class TPCoordinator:
             if p.sock is None:
                 try:
                     p.connect(deadline, wait)
-                except _Lost as e:
+                except Lost as e:
                     results[i] = _Result(_UNSENT, detail=str(e))
                     continue
-            try:
-                p.send(data)
-            except _Lost as e:
-                results[i] = _Result(_LOST, detail=str(e))
+            results[i] = self._send(p, data, deadline, wait)
         for i, p in enumerate(peers):
             if results[i] is None:
                 results[i] = self._collect(p, rid, cmd, deadline)
         return results  # type: ignore[return-value]
 
-    def _collect(self, p: _Peer, rid: int, cmd: int, deadline: float) -> _Result:
+    @staticmethod
+    def _send(p: Peer, data: bytes, deadline: float, wait: bool) -> Optional[_Result]:
+        """Sends one request (None: sent). A connection the worker closed while
+        idle (it evicts idle ones under pressure, see ipc/listener.py) carried
+        nothing: reconnect and send anew."""
+        try:
+            p.send(data)
+            return None
+        except Closed:
+            pass
+        except Lost as e:
+            return _Result(_LOST, detail=str(e))
+        try:
+            p.connect(deadline, wait)
+        except Lost as e:
+            return _Result(_UNSENT, detail=str(e))
+        try:
+            p.send(data)
+            return None
+        except Closed as e:
+            return _Result(_UNSENT, detail=str(e))
+        except Lost as e:
+            return _Result(_LOST, detail=str(e))
+
+    def _collect(self, p: Peer, rid: int, cmd: int, deadline: float) -> _Result:
         try:
             c, body = p.recv(rid, deadline)
-        except _Timeout:
+        except NoReply:
             return _Result(_TIMEOUT, detail=f"no answer within {self.timeout:g} s (KVCACHED_IPC_TIMEOUT)")
-        except _Lost as e:
+        except Lost as e:
             return _Result(_LOST, detail=str(e))
         if c == protocol.OK | cmd:
             return _Result(_OK, body=body)
@@ -299,23 +217,23 @@ class TPCoordinator:
         p.close()
         return _Result(_LOST, detail=f"reply command {c} does not answer command {cmd}")
 
-    def _settle(self, peers: List[_Peer], cmd: int, body: bytes) -> Dict[_Peer, str]:
+    def _settle(self, peers: List[Peer], cmd: int, body: bytes) -> Dict[Peer, str]:
         """Brings an idempotent request (ROLLBACK_MAP, ABORT, COMMIT) to every peer,
         resending after each timeout slice and reconnecting after a lost connection,
         until the recovery deadline. Returns peer -> why it is not confirmed."""
         deadline = time.monotonic() + self.recovery_timeout
         rid = self._next_rid()
         data = protocol.frame(cmd, rid, body)  # same id on resends: any answer counts
-        pending: Dict[_Peer, bool] = {}
+        pending: Dict[Peer, bool] = {}
         for p in peers:
             try:
                 if p.sock is None:
                     p.connect(min(deadline, time.monotonic() + self.timeout))
                 p.send(data)
                 pending[p] = True
-            except _Lost:
+            except Lost:
                 pending[p] = False
-        failures: Dict[_Peer, str] = {}
+        failures: Dict[Peer, str] = {}
         # Collect where the request went out first: a dead rank's reconnect loop
         # must not eat the time in which the others' answers are read.
         for p in sorted(peers, key=lambda q: not pending[q]):
@@ -327,13 +245,13 @@ class TPCoordinator:
                         p.send(data)
                         pending[p] = True
                     c, reply = p.recv(rid, min(deadline, time.monotonic() + self.timeout))
-                except _Timeout:
+                except NoReply:
                     if time.monotonic() >= deadline:
                         failures[p] = f"no answer within {self.recovery_timeout:g} s"
                         break
                     pending[p] = False  # resend on the same connection
                     continue
-                except _Lost as e:
+                except Lost as e:
                     if time.monotonic() >= deadline:
                         failures[p] = f"unreachable for {self.recovery_timeout:g} s ({e})"
                         break
@@ -438,7 +356,7 @@ class TPCoordinator:
             results = self._fan_out(self._peers, Cmd.KV_CREATED, protocol.group_body(self.group_id), wait=False)
         return all(r.status == _OK and protocol.parse_u8_reply(r.body) == 1 for r in results)
 
-    def _ask_all(self, cmd: int, body: bytes) -> List[Tuple[_Peer, bytes]]:
+    def _ask_all(self, cmd: int, body: bytes) -> List[Tuple[Peer, bytes]]:
         with self._lock:
             if self._closed:
                 self._check_usable()

@@ -14,6 +14,15 @@ cannot flood the log, and the listener keeps serving everyone else. A frame
 whose header is bad ends its connection (the stream cannot be resynchronised);
 a well-framed request that cannot be served gets an ERROR reply.
 
+Bounds (a same-uid client that leaks or hoards connections must not lock the
+coordinator out): at most MAX_CONNECTIONS connections, MAX_PER_PEER of them
+from one process (SO_PEERCRED pid). A new connection over either cap evicts an
+idle one (no frame in progress or running; one that never sent a valid frame
+first, else the longest idle) and is refused only when none is idle. The
+coordinator reconnects when it finds its own connection evicted. Every frame
+must be complete within the frame timeout of its first byte, and the bodies of
+the frames being received may announce FRAME_BUDGET bytes together.
+
 Shutdown (``stop``): stop accepting, wake the accept thread,
 shut down the read side of every connection (a handler inside a data-plane call
 finishes it and still sends its reply: in-flight calls drain), join all threads,
@@ -39,11 +48,29 @@ from kvcached.errors import InvalidArgumentError
 from kvcached.ipc import faults, paths, protocol, settings
 from kvcached.ipc.executor import VmmExecutor
 from kvcached.ipc.protocol import Cmd, ProtocolError
-from kvcached.ipc.transport import ConnectionClosed, FrameReader, peer_credentials
+from kvcached.ipc.transport import ConnectionClosed, FrameBudget, FrameReader, peer_credentials
 
 log = logging.getLogger("kvcached.ipc")
 
 MAX_CONNECTIONS = 64
+MAX_PER_PEER = 8
+FRAME_BUDGET = 2 * protocol.MAX_BODY
+
+
+class _Conn:
+    """One accepted connection and what eviction needs to know of it."""
+
+    def __init__(self, sock: socket.socket, pid: int, reader: FrameReader) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.reader = reader
+        self.thread: Optional[threading.Thread] = None
+        self.idle_since: Optional[float] = time.monotonic()  # None while a request runs
+        self.spoke = False  # sent a valid frame
+        self.evicted = False
+
+    def idle(self) -> bool:
+        return not self.evicted and self.idle_since is not None and not self.reader.in_frame
 
 
 class WorkerListener:
@@ -69,7 +96,8 @@ class WorkerListener:
         self._inode: Optional[tuple] = None
         self._stop = threading.Event()
         self._accept_thread: Optional[threading.Thread] = None
-        self._conns: Dict[socket.socket, threading.Thread] = {}
+        self._conns: Dict[socket.socket, _Conn] = {}
+        self._frame_budget = FrameBudget(FRAME_BUDGET)
         self._conns_lock = threading.Lock()
         self._logged: set = set()
         self._log_lock = threading.Lock()
@@ -135,7 +163,7 @@ class WorkerListener:
         deadline = time.monotonic() + timeout
         self._stop.set()
         with self._conns_lock:
-            conns = list(self._conns.items())
+            conns = [(c.sock, c.thread) for c in self._conns.values()]
         # Stop reading, keep writing: a handler inside a call still sends its reply.
         for c, _ in conns:
             try:
@@ -152,7 +180,7 @@ class WorkerListener:
                 self._wake_accept()
                 self._accept_thread.join(max(0.0, deadline - time.monotonic()))
         with self._conns_lock:
-            conns = list(self._conns.items())
+            conns = [(c.sock, c.thread) for c in self._conns.values()]
         for c, _ in conns:  # connections accepted while we were stopping
             try:
                 c.shutdown(socket.SHUT_RD)
@@ -228,32 +256,59 @@ class WorkerListener:
                 conn.close()
                 continue
             with self._conns_lock:
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    self._reject("too-many-connections", f"more than {MAX_CONNECTIONS} open connections")
+                if not self._make_room(pid):
                     conn.close()
                     continue
-                t = threading.Thread(
+                c = _Conn(conn, pid, FrameReader(conn, budget=self._frame_budget))
+                c.thread = threading.Thread(
                     target=self._serve,
-                    args=(conn,),
+                    args=(c,),
                     daemon=True,
                     name=f"kvcached-ipc-conn-pp{self.pp_rank}-w{self.rank}",
                 )
-                self._conns[conn] = t
-            t.start()
+                self._conns[conn] = c
+            c.thread.start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        reader = FrameReader(conn)
+    def _make_room(self, pid: int) -> bool:
+        """Under the caps, or an idle connection evicted to get there (caller
+        holds the lock); False: the new connection is refused."""
+        live = [c for c in self._conns.values() if not c.evicted]
+        mine = [c for c in live if c.pid == pid]
+        if len(mine) >= MAX_PER_PEER:
+            pool, why = mine, f"pid {pid} has {len(mine)} connections (at most {MAX_PER_PEER} per process)"
+        elif len(live) >= MAX_CONNECTIONS:
+            pool, why = live, f"{len(live)} open connections (at most {MAX_CONNECTIONS})"
+        else:
+            return True
+        idle = [c for c in pool if c.idle()]
+        if not idle:
+            self._reject("too-many-connections", f"{why}, none idle; refused a new one from pid {pid}")
+            return False
+        victim = min(idle, key=lambda c: (c.spoke, c.idle_since))
+        victim.evicted = True
+        self._reject("evicted-idle", f"{why}: closed an idle connection of pid {victim.pid}")
+        try:
+            victim.sock.shutdown(socket.SHUT_RDWR)  # its handler sees EOF and ends
+        except OSError:
+            pass
+        return True
+
+    def _serve(self, c: _Conn) -> None:
+        conn, reader = c.sock, c.reader
         try:
             while True:
+                c.idle_since = time.monotonic()
                 try:
                     cmd, req_id, body = reader.read(None, self._frame_timeout)
                 except ConnectionClosed:
                     return
                 except ProtocolError as e:
-                    self._reject(e.reason, str(e))
+                    if not c.evicted:
+                        self._reject(e.reason, str(e))
                     return
                 except OSError:
                     return
+                c.idle_since, c.spoke = None, True
                 handler = self._handlers.get(cmd)
                 if handler is None:
                     self._reject("unknown-command", f"command {cmd}")
