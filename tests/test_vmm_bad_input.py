@@ -177,3 +177,16 @@ def test_numpy_and_torch_integers_are_accepted(vmm, page_size, ready):
     vmm.map_to_kv_tensors(np.array([0, 2 * page_size], dtype=np.int64))
     vmm.unmap_from_kv_tensors(torch.tensor([0, 2 * page_size]))
     assert _C.mapped_offsets() == [page_size]
+
+
+def test_a_bool_is_not_a_block_id():
+    """operator.index(True) is 1: KVCacheManager.free([True]) must not free block 1."""
+    from kvcached.block_ledger import OUT, BlockLedger
+
+    ledger = BlockLedger(4)
+    ledger.mark([0, 1], OUT)
+    for bad in ([True], [False], [1, True], (b for b in [True])):
+        with pytest.raises(InvalidArgumentError, match="block ids must be integers"):
+            ledger.validate_free(bad)
+        assert list(ledger.states) == [OUT, OUT, 0, 0]
+    assert ledger.validate_free(b for b in [1]) == [1]  # any iterable of integers still works
