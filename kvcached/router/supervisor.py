@@ -41,6 +41,7 @@ STARTING, READY, SLEEPING, ASLEEP, WAKING, BACKOFF, STOPPED = (
 )
 STATES = (STARTING, READY, SLEEPING, ASLEEP, WAKING, BACKOFF, STOPPED)
 HEALTH_FAILURES = 3  # failed checks in a row before a running engine counts as hung
+HEALTH_TIMEOUT_S = 5.0  # a busy engine on a loaded host may answer /health slowly
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -152,7 +153,7 @@ class ModelEngine:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def healthy(self, timeout: float = 2.0) -> bool:
+    def healthy(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
         return self.alive() and http_call(self.host, self.port, "GET", "/health", timeout=timeout) == 200
 
     def wait_healthy(self, timeout: float) -> bool:
@@ -207,10 +208,21 @@ class ModelEngine:
             )
             self.backoff_s = min(self.backoff_s * 2, self.backoff_max_s)
 
-    def check_exited(self) -> bool:
-        """True (and a restart scheduled) when the serving engine's process has exited."""
+    def check_exited(self, wait_s: float = 5.0) -> bool:
+        """True (and a restart scheduled) when the serving engine's process has exited
+        or exits within ``wait_s`` (a killed engine's socket closes before it is reaped)."""
         with self.cond:
-            dead = self.state == READY and (self.proc is None or self.proc.poll() is not None)
+            if self.state in (BACKOFF, STARTING):
+                return True  # the monitor saw it first: being restarted
+            proc = self.proc if self.state == READY else None
+        if proc is None:
+            return False
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            return False
+        with self.cond:
+            dead = self.proc is proc
         if dead:
             self.crashed("exited")
         return dead
