@@ -198,6 +198,17 @@ def test_killed_engine_is_restarted_and_requests_wait_for_it(running):
     assert 'kvcached_router_restarts_total{model="alpha"} 1' in text
 
 
+def test_request_to_an_engine_killed_unnoticed_waits_for_its_restart(running):
+    r = running([{"name": "alpha"}])
+    r.ready()
+    r.router.interval = 3600  # the monitor would not look again: the request itself notices
+    old = r.pid("alpha")
+    os.killpg(old, signal.SIGKILL)
+    status, out = complete(r.port, "alpha")
+    assert status == 200 and out["pid"] != old
+    assert r.router.engines["alpha"].restarts == 1
+
+
 def test_crash_loop_backs_off_and_recovers(running, tmp_path, monkeypatch):
     fail = tmp_path / "fail"
     fail.write_text("")

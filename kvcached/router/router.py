@@ -19,9 +19,11 @@ from typing import Dict, List, Optional
 from kvcached.router.config import ConfigError, RouterConfig
 from kvcached.router.metrics import RouterMetrics
 from kvcached.router.sleep import SleepError, sleep_mode_for
-from kvcached.router.supervisor import ASLEEP, READY, SLEEPING, WAKING, ModelEngine
+from kvcached.router.supervisor import ASLEEP, BACKOFF, READY, SLEEPING, STARTING, WAKING, ModelEngine
 
 log = logging.getLogger("kvcached.router")
+
+STARTING_POLL_S = 0.5
 
 
 def idle_due(engine: ModelEngine, now: float) -> bool:
@@ -65,6 +67,10 @@ class Router:
             for m in config.models
         }
         self._stop = threading.Event()
+        self._poke = threading.Event()  # set by a crash noticed outside the monitor: restart without waiting
+        self.interval = config.health_interval_s
+        for e in self.engines.values():
+            e.poke = self._poke.set
         self._monitor: Optional[threading.Thread] = None
         self._transitions: List[threading.Thread] = []
 
@@ -83,6 +89,7 @@ class Router:
     def shutdown(self) -> None:
         """Stops every engine (in parallel, each bounded by ``stop_timeout_s``)."""
         self._stop.set()
+        self._poke.set()
         if self._monitor is not None:
             self._monitor.join(timeout=self.config.health_interval_s + 10)
         stoppers = [threading.Thread(target=e.close, daemon=True) for e in self.engines.values()]
@@ -108,7 +115,19 @@ class Router:
                         e.set_state(SLEEPING)
                 if due:
                     self._transition(e, self._sleep)
-            self._stop.wait(self.config.health_interval_s)
+            self._poke.wait(self._next_wait())
+            self._poke.clear()
+
+    def _next_wait(self) -> float:
+        """Until the next round: the health interval, shorter while an engine starts
+        (its readiness is noticed within ``STARTING_POLL_S``) or a restart is due."""
+        wait = self.interval
+        for e in self.engines.values():
+            if e.state == STARTING:
+                wait = min(wait, STARTING_POLL_S)
+            elif e.state == BACKOFF:
+                wait = min(wait, e.next_start_at - time.monotonic())
+        return max(0.01, wait)
 
     # -- sleep and wake -----------------------------------------------------
     def _transition(self, engine: ModelEngine, fn) -> None:

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional
 
 from kvcached.router.config import ModelSpec
 from kvcached.router.engines import engine_command, engine_env
@@ -105,6 +105,7 @@ class ModelEngine:
         self.last_exit: Optional[int] = None
         self.saved_kv_limit: Optional[int] = None  # the kvcached limit before a sleep gave KV back
         self.closed = False
+        self.poke: Callable[[], None] = lambda: None  # tells the monitor a restart is due
 
     # -- process ---------------------------------------------------------
     def spawn(self, state: str = STARTING) -> bool:
@@ -207,6 +208,7 @@ class ModelEngine:
                 self.log_path,
             )
             self.backoff_s = min(self.backoff_s * 2, self.backoff_max_s)
+        self.poke()
 
     def check_exited(self, wait_s: float = 5.0) -> bool:
         """True (and a restart scheduled) when the serving engine's process has exited
