@@ -95,7 +95,7 @@ def test_two_instances_grow_and_shrink_under_changing_limits(prefix, workers):
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
     stats_a, stats_b = a.result(), b.result()
-    assert samples > 30 and changes >= 10
+    assert samples > 10 and changes >= 10  # (a loaded 2-core box samples every ~0.1 s)
     for st in (stats_a, stats_b):
         # Both grew, both met the budget or a limit (recoverable misses), both shrank.
         assert st["allocs"] > 20 and st["misses"] > 0 and st["frees"] > 20, st
@@ -145,8 +145,9 @@ def test_a_short_instance_publishes_its_want_to_the_other_processes(prefix, work
 
     # Under a limit of what it maps, b's shortage is its own limit's: nothing to ask peers for.
     assert a.call("alloc", n=3)["ok"]
-    set_instance_memory_limit(4 * BPP, name=b.name)
-    time.sleep(0.3)
+    r = set_instance_memory_limit(4 * BPP, name=b.name, wait_s=10)
+    assert r.written and _C.MemInfoTracker.open(b.name).snapshot().applied_revision == r.revision, r
+    time.sleep(0.3)  # past note_shortage's 0.25 s answer cache
     assert not b.call("short", need=BPP)["published"]
     assert budget.wanting() == []
 

@@ -582,6 +582,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("seen"), py::arg("timeout_ms"))
       .def("wake", &MemInfoTracker::wake)
+      .def("wake_count", &MemInfoTracker::wake_count)
       .def(
           "set_granted", [](MemInfoTracker& t, py::object b) { t.set_granted(to_i64(b, "granted bytes")); },
           py::arg("bytes"))

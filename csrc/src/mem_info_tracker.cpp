@@ -303,6 +303,7 @@ MemInfoTracker MemInfoTracker::create(const std::string& name, const std::string
   r->granted.store(0);
   r->device_bytes.store(0);
   r->applied_revision.store(0);
+  r->wakes.store(0);
   r->wanted.store(0);
   r->wanted_ns.store(0);
   r->quarantined.store(0);
@@ -516,7 +517,12 @@ uint32_t MemInfoTracker::wait_for_change(uint32_t seen, int timeout_ms) const {
   return rec_->revision.load(std::memory_order_acquire);
 }
 
-void MemInfoTracker::wake() const { futex_wake_all(&rec_->revision); }
+void MemInfoTracker::wake() const {
+  rec_->wakes.fetch_add(1, std::memory_order_acq_rel);
+  futex_wake_all(&rec_->revision);
+}
+
+uint32_t MemInfoTracker::wake_count() const { return rec_->wakes.load(std::memory_order_acquire); }
 
 void MemInfoTracker::set_granted(int64_t bytes) {
   if (!in_range(bytes)) invalid("granted bytes must be >= 0 and at most 2^60, got " + std::to_string(bytes));

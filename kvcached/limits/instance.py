@@ -223,7 +223,7 @@ class InstanceLimits:
     def _watch(self) -> None:
         seen = self._applied_revision
         while not self._stopping:
-            t0 = time.monotonic()
+            wakes = self._tracker.wake_count()
             rev = self._tracker.wait_for_change(seen, _IDLE_WAKE_MS)
             if self._stopping:
                 return
@@ -231,11 +231,10 @@ class InstanceLimits:
                 if rev != seen:
                     seen = self._apply_limit()
                 elif self.budget is not None:
-                    # Woken early without a write: a peer is short of budget and
-                    # asks for everything unused back, the reserve pool too.
-                    # On the idle timeout keep one quantum for the pool.
-                    woken = (time.monotonic() - t0) * 1000 < _IDLE_WAKE_MS * 0.9
-                    if woken:
+                    # Woken without a write: a peer is short of budget and asks
+                    # for everything unused back, the reserve pool too. On the
+                    # idle timeout (or a spurious return) keep one quantum.
+                    if self._tracker.wake_count() != wakes:
                         self._reclaim()
                         self.release_slack(0, trim_reserve=True)
                         hook = self.on_peer_short

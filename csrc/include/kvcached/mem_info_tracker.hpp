@@ -61,7 +61,9 @@ struct MemInfoRecord {
   std::atomic<int64_t> granted;            // device-budget bytes held by the owner
   std::atomic<int64_t> device_bytes;       // usable bytes of the device (0: unknown)
   std::atomic<uint32_t> applied_revision;  // last revision the owner enforces
-  uint32_t reserved2;
+  // Bumped by every wake(): a watcher tells a peer's request from a spurious
+  // or signal-interrupted futex return. Was reserved (zero).
+  std::atomic<uint32_t> wakes;
   // A live owner that the device budget (not its own limit) keeps from
   // mapping what its load needs publishes the bytes it lacks and when; idle
   // peers read it and give their cached pages back. 0 bytes: nothing wanted.
@@ -134,8 +136,10 @@ class MemInfoTracker {
   // Blocks until revision != seen, timeout_ms passes or wake() is called;
   // returns the revision.
   uint32_t wait_for_change(uint32_t seen, int timeout_ms) const;
-  // Wakes every wait_for_change on this record without changing it.
+  // Wakes every wait_for_change on this record without changing the limit
+  // (it bumps wake_count()).
   void wake() const;
+  uint32_t wake_count() const;
   // Owner-side fields (see the record comment).
   void set_granted(int64_t bytes);
   void set_device_bytes(int64_t bytes);
