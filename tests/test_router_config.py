@@ -105,6 +105,7 @@ def test_engine_command_and_environment(tmp_path):
         ([{"sleep": "kv", "kvcached": False}], {}, "sleep: kv gives the KV cache back through kvcached"),
         ([{"args": ["--port", "1"]}], {}, "sets --port, which the router sets"),
         ([{"colour": "red"}], {}, "unknown key 'colour'"),
+        ([{"python": "/nonexistent/python"}], {}, "python /nonexistent/python is not an executable"),
         ([{"port": 8080}], {}, "the router and every model need their own port"),
         ([{}], {"port": "x"}, "port: must be a port number"),
         ([{}], {"kvcached": {"gpu_utilization": 2}}, "must be in (0, 1]"),

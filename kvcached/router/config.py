@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -226,6 +227,9 @@ def _parse_model(raw: Any, where: str, base_dir: str, fail) -> ModelSpec:
     sleep = raw.get("sleep", "auto")
     if sleep not in SLEEP_MODES:
         raise fail(where, f"unknown sleep {sleep!r}; use one of: {', '.join(SLEEP_MODES)}")
+    python = str(raw.get("python") or sys.executable)
+    if shutil.which(python) is None:
+        raise fail(where, f"python {python} is not an executable; fix 'python' (the engine's interpreter)")
     kvcached = raw.get("kvcached", True)
     if not isinstance(kvcached, bool):
         raise fail(where, f"'kvcached' must be true or false, got {kvcached!r}")
@@ -238,7 +242,7 @@ def _parse_model(raw: Any, where: str, base_dir: str, fail) -> ModelSpec:
         idle_seconds=idle,
         sleep=sleep,
         port=None if raw.get("port") is None else _port(raw["port"], f"{where}.port", fail),
-        python=str(raw.get("python") or sys.executable),
+        python=python,
         kvcached=kvcached,
     )
     mode = spec.sleep_mode()
