@@ -53,6 +53,7 @@ def check_limit(srv: vs.Server, cpu: bool, out: str) -> Dict[str, object]:
         t.start()
     time.sleep(seconds / 2)  # load reaches its steady footprint
     before = rec.series[srv.name][-1].mapped
+    prev_limit = rec.series[srv.name][-1].limit
     low = max(before // 2, 64 << 20 if not cpu else 2 << 20)
     t_set = rec.now()
     kvctl("limit", srv.name, str(low))
@@ -61,7 +62,7 @@ def check_limit(srv: vs.Server, cpu: bool, out: str) -> Dict[str, object]:
     shrunk_at = rec.first_time(srv.name, lambda s: s.mapped <= low, after=t_set)
     after_low = [s.mapped for s in rec.series[srv.name] if shrunk_at is not None and s.t >= shrunk_at]
     t_raise = rec.now()
-    kvctl("limit", srv.name, str(64 * GIB if not cpu else 1 * GIB))
+    kvctl("limit", srv.name, str(prev_limit))  # back to what it was
     log("limit raised")
     time.sleep(seconds / 2)
     grew_at = rec.first_time(srv.name, lambda s: s.mapped > low, after=t_raise)

@@ -104,14 +104,18 @@ def main(argv: List[str] | None = None) -> int:
                     t0 = time.monotonic()
                     runs[label][rate].append(bench(servers[label], rate, n, a, f"r{rnd}_{rate}_{label}"))
                     log(f"round {rnd + 1} rate {rate:g} {label}: {n} requests in {time.monotonic() - t0:.0f} s")
-        limits_ok = check_limit(servers["kvcached"], a.cpu, a.out)["pass"] if a.limits else True
+        save = {"rates": rates, "runs": {k: {str(r): v for r, v in d.items()} for k, d in runs.items()}}
+        write_json(os.path.join(a.out, "overhead.json"), save)  # kept whatever the limits step does
+        limits_ok = True
+        if a.limits:
+            try:
+                limits_ok = bool(check_limit(servers["kvcached"], a.cpu, a.out)["pass"])
+            except Exception as e:  # noqa: BLE001 - the overhead table still prints
+                log(f"limits step failed: {e}")
+                limits_ok = False
     finally:
         for s in servers.values():
             s.stop()
-    write_json(
-        os.path.join(a.out, "overhead.json"),
-        {"rates": rates, "runs": {k: {str(r): v for r, v in d.items()} for k, d in runs.items()}},
-    )
     print(
         f"\nvllm bench serve, random {a.input_len} in / {a.output_len} out, {a.rounds} paired rounds (median); "
         "ratio = kvcached / native"
