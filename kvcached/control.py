@@ -236,11 +236,14 @@ def _write_record(target: str, limit_bytes: Any, revision: Optional[int], wait_s
     if why:
         return now(REJECTED, why)
     if revision is not None:
-        if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
-            return now(REJECTED, f"revision must be a non-negative integer from a previous read, got {revision!r}")
+        if isinstance(revision, bool) or not isinstance(revision, int) or not 0 <= revision <= 0xFFFFFFFF:
+            return now(REJECTED, f"revision must be an integer in [0, 2**32) from a previous read, got {revision!r}")
         if revision < rec.revision:
             return now(STALE, f"revision {revision} is older than the record's {rec.revision}; re-read and retry")
-    new_rev = int(tracker.set_limit(int(limit_bytes), -1 if revision is None else int(revision)))
+    try:
+        new_rev = int(tracker.set_limit(int(limit_bytes), -1 if revision is None else int(revision)))
+    except _C.KvcachedError as e:  # a record found invalid or busy while writing: nothing written
+        return now(REJECTED, str(e))
     if new_rev < 0:
         rec = RecordView.from_snapshot(tracker.snapshot())
         return now(CONFLICT, f"revision {revision} is not the record's ({rec.revision}); re-read and retry")

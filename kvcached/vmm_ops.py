@@ -71,6 +71,8 @@ def create_kv_tensors(
     num_layers: int,
     num_kv_buffers: int = 2,
     group_id: int = 0,
+    unified_pool: bool = False,
+    *,
     chunk_bytes: Optional[int] = None,
 ) -> List[object]:
     """Creates the KV tensors of a group and returns one view per layer.
@@ -78,8 +80,16 @@ def create_kv_tensors(
     ``size`` is the byte size of one K (or V) buffer of one layer, rounded up
     to the page size. ``chunk_bytes`` (default: the page size) is the
     interleave unit of the contiguous layout, normally the engine block size;
-    it must divide the page size.
+    it must divide the page size. ``unified_pool`` holds upstream's seventh
+    position (K and V interleaved in one buffer per layer); here that layout is
+    ``num_kv_buffers=1`` with the whole per-layer size, so True is refused
+    with that fix rather than read as something else.
     """
+    if unified_pool is not False:
+        raise InvalidArgumentError(
+            f"unified_pool={unified_pool!r}: upstream's K/V-in-one-buffer layout is num_kv_buffers=1 here "
+            "(size = the whole per-layer buffer); pass that instead"
+        )
     import torch
 
     dtype = _torch_dtype(torch, dtype_size)

@@ -497,3 +497,22 @@ def test_messages_are_framed_as_upstream_without_pickle():
         a.close()
         with pytest.raises(ConnectionError):
             tp_ipc_util.recv_msg(b)
+
+
+def test_create_kv_tensors_keeps_upstreams_seventh_position_unified_pool():
+    """Upstream's 7th positional is ``unified_pool``; an old caller passing True must
+    get the fix named, never have True read as another argument (``chunk_bytes``
+    is keyword-only here)."""
+    from kvcached import vmm_ops
+    from kvcached.errors import InvalidArgumentError
+
+    vmm_ops.init_kvcached("cpu", page_size=64 << 10, contiguous_layout=False)
+    try:
+        with pytest.raises(InvalidArgumentError, match="num_kv_buffers=1"):
+            vmm_ops.create_kv_tensors(64 << 10, 1, "cpu", 2, 2, 0, True)
+        layers = vmm_ops.create_kv_tensors(64 << 10, 1, "cpu", 2, 2, 0, False)
+        assert len(layers) == 2
+        with pytest.raises(TypeError):
+            vmm_ops.create_kv_tensors(64 << 10, 1, "cpu", 2, 2, 0, False, 4096)  # chunk_bytes by keyword only
+    finally:
+        vmm_ops.shutdown_kvcached()

@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Callable, Dict, List, Tuple
 
-from kvcached import _C
+from kvcached import _C, vmm_ops
 from kvcached.bench._table import print_table
 
 MiB = 1 << 20
@@ -71,7 +71,7 @@ def _ours(dev: str, page: int, layers: int, pages: int, contiguous: bool, repeat
             unmaps.append(t)
         return maps, unmaps
     finally:
-        _C.shutdown_kvcached()
+        vmm_ops.shutdown_kvcached()  # warns about memory the driver would not release
 
 
 def run(dev: str, page: int, layers: int, pages: int, repeats: int) -> List[Dict[str, object]]:

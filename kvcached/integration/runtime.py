@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from kvcached import _C, config
+from kvcached import _C, config, vmm_ops
 from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError, ShutdownError
 from kvcached.kv_cache_manager import KVCacheManager
@@ -116,7 +116,7 @@ def shutdown() -> None:
             _listener.stop()
             _listener = None
         if _state.local and _C.is_initialized():
-            _C.shutdown_kvcached()
+            vmm_ops.shutdown_kvcached()  # warns about memory the driver would not release
         _groups.clear()
         _state.__init__()
 

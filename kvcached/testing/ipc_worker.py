@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
 
-    from kvcached import _C
+    from kvcached import _C, vmm_ops
     from kvcached.ipc.executor import NullExecutor, VmmExecutor
     from kvcached.ipc.listener import WorkerListener
 
@@ -81,7 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ok = listener.stop()
     if not args.noop:
         del capsules
-        _C.shutdown_kvcached()
+        vmm_ops.shutdown_kvcached()  # warns about memory the driver would not release
     print("STOPPED", ok, flush=True)
     return 0 if ok else 3
 
