@@ -55,6 +55,7 @@ def _arg_type(fn, *a):  # noqa: ANN001, ANN202 - argparse type= adapters
 interval = _arg_type(decimal, "-n", 0.0, MAX_INTERVAL_S, True)
 wait = _arg_type(decimal, "--wait", 0.0, MAX_WAIT_S)
 count = _arg_type(integer, "--count", 1, MAX_COUNT)
+port = _arg_type(integer, "--port", 0, 65535)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -8,6 +8,7 @@
     kvctl cleanup [--prefix P] [--json]                    delete every dead instance
     kvctl kvtop [kvtop options] [NAME ...]
     kvctl version [--json]                                 the kvcached build installed
+    kvctl metrics --port N [--host H] [--prefix P]        Prometheus /metrics of every instance
     kvctl [shell]                                          one command per line (kvcached.cli.shell)
 
 Upstream kvctl's commands and flags work as there (docs/COMPAT.md); ``list
@@ -216,6 +217,25 @@ def cmd_version(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_metrics(args: argparse.Namespace) -> int:
+    try:
+        from kvcached.metrics import exporter
+    except ImportError as e:
+        raise BadInput(f"{e}; install it: pip install prometheus_client") from None
+
+    def ready(server: Any) -> None:
+        host, port = server.server_address[:2]
+        host = f"[{host}]" if ":" in host else host
+        print(f"kvctl metrics: serving http://{host}:{port}/metrics (SIGTERM or Ctrl-C stops)", flush=True)
+
+    try:
+        exporter.run(args.host, args.port, args.prefix, on_ready=ready)
+    except OSError as e:  # address in use, not an address of this machine
+        why = e.strerror or e
+        raise BadInput(f"cannot listen on {args.host}:{args.port}: {why}; pick another --port/--host") from None
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = args_mod.OneLineParser(prog="kvctl", description="Watch and cap kvcached instances (records in /dev/shm).")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=args_mod.OneLineParser)
@@ -259,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("version", help="the kvcached build installed (version, commit, location)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_version)
+
+    s = sub.add_parser("metrics", help="serve Prometheus /metrics of every instance over HTTP (until SIGTERM)")
+    s.add_argument("--port", type=args_mod.port, required=True, help="TCP port (0: any free one, printed)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--prefix", default="", help="only instances whose name starts with this")
+    s.set_defaults(func=cmd_metrics)
 
     # Listed for --help; main() hands these to kvtop / the shell before parsing.
     sub.add_parser("kvtop", help="live table of instances (same as `kvtop`; see `kvtop --help`)")

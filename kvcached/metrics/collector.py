@@ -1,0 +1,173 @@
+"""The ``kvcached_*`` Prometheus series, read from the shared instance records
+on every scrape (kvcached.limits.records), so any process of the user (the
+standalone exporter, an engine's API server) shows the same numbers as
+``kvctl list --json`` without any state of its own.
+
+Every metric and its meaning: docs/OBSERVABILITY.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvcached.limits.records import RecordView, list_records
+
+# Not "instance": Prometheus sets that label to the scrape target (host:port).
+INSTANCE_LABELS = ["name", "engine", "device"]
+STATES = ("alive", "pending", "dead", "busy", "invalid")
+
+# (metric suffix, help, value of a record); the value is read only for
+# records whose numbers are trusted (valid ones).
+_BYTE_GAUGES: List[Tuple[str, str, Callable[[RecordView], int]]] = [
+    ("limit_bytes", "KV memory limit of the instance (all layers, K and V).", lambda r: r.limit),
+    ("granted_bytes", "Device-budget bytes the instance holds (0: no budget).", lambda r: r.granted),
+    ("held_bytes", "Bytes counted against the device budget: max(granted, mapped); 0 when dead.", lambda r: r.held),
+    ("mapped_bytes", "Physical KV memory mapped now (used + reserved).", lambda r: r.mapped),
+    ("used_bytes", "Mapped bytes of pages holding KV blocks.", lambda r: r.used),
+    ("reserved_bytes", "Mapped bytes of unused pages in the reserve pool (prealloc).", lambda r: r.prealloc),
+    ("virtual_bytes", "Virtual KV capacity of the instance.", lambda r: r.total),
+    ("quarantined_bytes", "Bytes that could not be released (failed driver call), held until exit.",
+     lambda r: r.quarantined),
+]  # fmt: skip
+
+
+def _current_want(r: RecordView, now_ns: int) -> int:
+    from kvcached.limits.budget import WANT_TTL_S
+
+    return r.wants(WANT_TTL_S, now_ns)
+
+
+class KvcachedCollector(Collector):
+    """A prometheus_client collector over the records of this user.
+
+    ``select``: which instance names to show (None: every record). Device
+    totals always cover every live, valid record of this user on the device
+    (the device budget is shared by all of them), ``prefix`` narrows both to
+    names starting with it (a budget scope).
+    """
+
+    def __init__(self, select: Optional[Callable[[str], bool]] = None, prefix: str = "") -> None:
+        self._select = select
+        self._prefix = prefix
+
+    def _records(self) -> List[RecordView]:
+        return [r for r in list_records() if r.name.startswith(self._prefix)]
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.time_ns()
+        uid = os.geteuid()
+        records = self._records()
+        shown = [r for r in records if self._select is None or self._select(r.name)]
+        trusted = [r for r in shown if r.valid]
+
+        def family(suffix: str, doc: str, recs: Iterable[RecordView], value: Callable[[RecordView], float]):
+            g = GaugeMetricFamily(f"kvcached_{suffix}", doc, labels=INSTANCE_LABELS)
+            for r in recs:
+                g.add_metric([r.name, r.engine, r.device], float(value(r)))
+            return g
+
+        for suffix, doc, value in _BYTE_GAUGES:
+            yield family(suffix, doc, trusted, value)
+        yield family(
+            "wanted_bytes",
+            "Bytes the instance's load lacks because the device budget stops it (a current want; 0: none).",
+            trusted,
+            lambda r: _current_want(r, now),
+        )
+        yield family(
+            "wanted_timestamp_seconds",
+            "Unix time of the instance's last want renewal (0: never wanted).",
+            trusted,
+            lambda r: r.wanted_ns / 1e9 if r.wanted > 0 else 0.0,
+        )
+        yield family(
+            "limit_pending",
+            "1 while the owner has not yet enforced the latest limit write.",
+            trusted,
+            lambda r: 1 if r.pending else 0,
+        )
+        yield family("limit_revision", "Revision of the limit (bumped by every limit write).", trusted,
+                     lambda r: r.revision)  # fmt: skip
+        yield family("record_updated_timestamp_seconds", "Unix time of the owner's last usage update.", trusted,
+                     lambda r: r.updated_ns / 1e9)  # fmt: skip
+
+        state = GaugeMetricFamily(
+            "kvcached_instance_state",
+            "1 for the record's current state (alive, pending, dead, busy, invalid), 0 for the others.",
+            labels=INSTANCE_LABELS + ["state"],
+        )
+        for r in shown:
+            for s in STATES:
+                state.add_metric([r.name, r.engine, r.device, s], 1.0 if r.state == s else 0.0)
+        yield state
+
+        wakes = CounterMetricFamily(
+            "kvcached_give_back_requests",
+            "Times a peer short of device budget woke this instance to give unused memory back.",
+            labels=INSTANCE_LABELS,
+        )
+        for r in trusted:
+            if r.alive:
+                n = _wake_count(r.name)
+                if n is not None:
+                    wakes.add_metric([r.name, r.engine, r.device], float(n))
+        yield wakes
+
+        yield from _device_families(records, uid, now)
+
+
+def _wake_count(name: str) -> Optional[int]:
+    from kvcached import _C
+
+    try:
+        return int(_C.MemInfoTracker.open(name).wake_count())
+    except _C.KvcachedError:
+        return None  # removed meanwhile
+
+
+def _device_families(records: List[RecordView], uid: int, now_ns: int) -> Iterator[Metric]:
+    """Per-device sums over the live, valid records of this user (the budget's members)."""
+    members: Dict[str, List[RecordView]] = {}
+    for r in records:
+        if r.alive and r.valid and r.owner_uid == uid:
+            members.setdefault(r.device, []).append(r)
+    fams = {
+        "budget": GaugeMetricFamily(
+            "kvcached_device_budget_bytes",
+            "Usable bytes of the device as its instances' owners computed them (KVCACHED_GPU_UTILIZATION).",
+            labels=["device"],
+        ),
+        "held": GaugeMetricFamily(
+            "kvcached_device_held_bytes", "Bytes all instances hold on the device.", labels=["device"]
+        ),  # fmt: skip
+        "mapped": GaugeMetricFamily(
+            "kvcached_device_mapped_bytes", "Bytes all instances map on the device.", labels=["device"]
+        ),  # fmt: skip
+        "free": GaugeMetricFamily(
+            "kvcached_device_free_bytes",
+            "Budget bytes no instance holds (budget - held; < 0 after the budget was lowered).",
+            labels=["device"],
+        ),
+        "wanted": GaugeMetricFamily(
+            "kvcached_device_wanted_bytes", "Bytes instances want and cannot get.", labels=["device"]
+        ),  # fmt: skip
+        "instances": GaugeMetricFamily(
+            "kvcached_device_instances", "Live instances on the device.", labels=["device"]
+        ),  # fmt: skip
+    }
+    for dev, recs in sorted(members.items()):
+        held = sum(r.held for r in recs)
+        budget = max(r.device_bytes for r in recs)
+        if budget > 0:
+            fams["budget"].add_metric([dev], float(budget))
+            fams["free"].add_metric([dev], float(budget - held))
+        fams["held"].add_metric([dev], float(held))
+        fams["mapped"].add_metric([dev], float(sum(r.mapped for r in recs)))
+        fams["wanted"].add_metric([dev], float(sum(_current_want(r, now_ns) for r in recs)))
+        fams["instances"].add_metric([dev], float(len(recs)))
+    yield from fams.values()

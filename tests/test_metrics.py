@@ -1,0 +1,266 @@
+"""The kvcached_* Prometheus series against real instances in other processes
+(host backend): the numbers agree with `kvctl list --json`, and the exporter
+(`kvctl metrics`) serves them over HTTP, bounded, stopping on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Dict, Tuple
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvcached import _C
+from kvcached.limits.budget import WANT_TTL_S
+from kvcached.metrics import KvcachedCollector, exporter
+from limits_helpers import BPP, Worker, kvctl, kvctl_list_json, poke, remove_records, unique_prefix
+
+BUDGET = 8 * BPP
+FIELDS = {  # metric -> the `kvctl list --json` key it shows
+    "kvcached_limit_bytes": "limit",
+    "kvcached_granted_bytes": "granted",
+    "kvcached_held_bytes": "held",
+    "kvcached_mapped_bytes": "mapped",
+    "kvcached_used_bytes": "used",
+    "kvcached_reserved_bytes": "prealloc",
+    "kvcached_virtual_bytes": "total",
+    "kvcached_quarantined_bytes": "quarantined",
+    "kvcached_limit_revision": "revision",
+}
+
+Samples = Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def scrape(prefix: str) -> Samples:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(KvcachedCollector(prefix=prefix))
+    return parse(generate_latest(reg).decode())
+
+
+def value(samples: Samples, metric: str, **labels: str) -> float:
+    return samples[(metric, tuple(sorted(labels.items())))]
+
+
+def listed(prefix: str) -> Dict[str, dict]:
+    return {r["name"]: r for r in kvctl_list_json() if r["name"].startswith(prefix)}
+
+
+def agreeing_scrape(prefix: str, get=scrape) -> Tuple[Samples, Dict[str, dict]]:
+    """A scrape taken between two equal `kvctl list --json` reads (an owner's
+    watcher may give slack back at any moment; then read again)."""
+    for _ in range(20):
+        before = listed(prefix)
+        samples = get(prefix)
+        after = listed(prefix)
+        strip = lambda rows: {n: {k: v for k, v in r.items() if k != "updated_ns"} for n, r in rows.items()}  # noqa: E731
+        if strip(before) == strip(after):
+            return samples, after
+    raise AssertionError("the records kept changing")
+
+
+def check_agrees(samples: Samples, rows: Dict[str, dict]) -> None:
+    held = 0
+    for name, r in rows.items():
+        labels = dict(name=name, engine=r["engine"], device=r["device"])
+        for metric, key in FIELDS.items():
+            assert value(samples, metric, **labels) == r[key], (metric, name)
+        for state in ("alive", "pending", "dead", "busy", "invalid"):
+            want = 1.0 if r["state"] == state else 0.0
+            assert value(samples, "kvcached_instance_state", **labels, state=state) == want
+        held += r["held"]
+    assert value(samples, "kvcached_device_held_bytes", device="cpu") >= held  # other runs may share the host
+
+
+@pytest.fixture
+def prefix():
+    p = unique_prefix()
+    yield p
+    remove_records(p)
+
+
+@pytest.fixture
+def pair(prefix):
+    ws = [Worker(name=prefix + n, pages=16, budget_bytes=BUDGET, scope=prefix) for n in "ab"]
+    yield ws
+    for w in ws:
+        w.kill()
+
+
+def test_series_agree_with_kvctl_list(prefix, pair):
+    a, b = pair
+    assert a.call("alloc", n=3)["ok"] and b.call("alloc", n=1)["ok"]
+    samples, rows = agreeing_scrape(prefix)
+    assert set(rows) == {a.name, b.name}
+    check_agrees(samples, rows)
+    assert value(samples, "kvcached_used_bytes", name=a.name, engine="test", device="cpu") == 3 * BPP
+
+    # Load moves: a frees, b grows; the series follow.
+    a.call("free", n=3)
+    assert b.call("alloc", n=2)["ok"]
+    samples, rows = agreeing_scrape(prefix)
+    check_agrees(samples, rows)
+    assert value(samples, "kvcached_used_bytes", name=a.name, engine="test", device="cpu") == 0
+    assert value(samples, "kvcached_used_bytes", name=b.name, engine="test", device="cpu") == 3 * BPP
+
+
+def test_device_budget_and_free_bytes(prefix, pair):
+    a, b = pair
+    assert a.call("alloc", n=2)["ok"]
+    # Records of this scope only: the sums are exact.
+    samples, rows = agreeing_scrape(prefix)
+    held = sum(r["held"] for r in rows.values())
+    assert value(samples, "kvcached_device_budget_bytes", device="cpu") == BUDGET
+    assert value(samples, "kvcached_device_held_bytes", device="cpu") == held > 0
+    assert value(samples, "kvcached_device_free_bytes", device="cpu") == BUDGET - held
+    assert value(samples, "kvcached_device_mapped_bytes", device="cpu") == sum(r["mapped"] for r in rows.values())
+    assert value(samples, "kvcached_device_instances", device="cpu") == 2
+
+
+def test_want_and_give_back_requests(prefix, pair):
+    a, b = pair
+    assert a.call("alloc", n=6)["ok"] and b.call("alloc", n=1)["ok"]
+    labels = dict(name=b.name, engine="test", device="cpu")
+    before = scrape(prefix)
+    wakes_a = value(before, "kvcached_give_back_requests_total", name=a.name, engine="test", device="cpu")
+    for _ in range(5):
+        t0 = time.monotonic()
+        assert b.call("short", need=3 * BPP)["published"]
+        samples = scrape(prefix)
+        wanted = _C.MemInfoTracker.open(b.name).snapshot().wanted
+        if value(samples, "kvcached_wanted_bytes", **labels) or time.monotonic() - t0 < WANT_TTL_S:
+            break
+        time.sleep(0.3)  # a loaded box took longer than the want's life; publish it again
+    assert wanted > 0 and value(samples, "kvcached_wanted_bytes", **labels) == wanted
+    assert value(samples, "kvcached_device_wanted_bytes", device="cpu") == wanted
+    assert value(samples, "kvcached_wanted_timestamp_seconds", **labels) > 0
+    # b's want woke a (its peer) to give memory back: the record's counter moved.
+    wakes = value(samples, "kvcached_give_back_requests_total", name=a.name, engine="test", device="cpu")
+    assert wakes > wakes_a
+
+    b.call("clear")
+    samples = scrape(prefix)
+    assert value(samples, "kvcached_wanted_bytes", **labels) == 0
+    assert value(samples, "kvcached_device_wanted_bytes", device="cpu") == 0
+
+
+def test_dead_and_invalid_records(prefix):
+    w = Worker(name=prefix + "d", pages=16, budget_bytes=BUDGET, scope=prefix)
+    try:
+        assert w.call("alloc", n=2)["ok"]
+        os.kill(w.pid, signal.SIGKILL)
+        w.proc.wait(10)
+    finally:
+        w.kill()
+    bad = _C.MemInfoTracker.create(prefix + "bad", "t", 0, 0, 4 * BPP, 4 * BPP)
+    poke(bad.name, used=-5)  # a field out of range: the record is not trusted
+    samples, rows = agreeing_scrape(prefix)
+    assert rows[prefix + "bad"]["state"] == "invalid" and rows[prefix + "d"]["state"] == "dead"
+    dead = dict(name=prefix + "d", engine="test", device="cpu")
+    assert value(samples, "kvcached_instance_state", **dead, state="dead") == 1
+    assert value(samples, "kvcached_held_bytes", **dead) == 0  # its memory died with it
+    assert value(samples, "kvcached_used_bytes", **dead) == 2 * BPP  # the last numbers it published
+    inv = rows[prefix + "bad"]
+    assert value(samples, "kvcached_instance_state", name=inv["name"], engine=inv["engine"], device=inv["device"],
+                 state="invalid") == 1  # fmt: skip
+    # No numbers of an untrusted record, and none counted for the device.
+    assert not [k for k in samples if k[0] == "kvcached_used_bytes" and ("name", prefix + "bad") in k[1]]
+    assert ("kvcached_device_instances", (("device", "cpu"),)) not in samples  # nobody alive in this scope
+    del bad
+
+
+# ------------------------------------------------------------------ the exporter
+
+
+class Exporter:
+    """`kvctl metrics` in a child process, as an operator runs it."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcached.cli.kvctl", "metrics", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        assert "serving http://" in line, (line, self.proc.stderr.read())
+        self.url = line.split()[3]
+        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+
+    def get(self, path: str = "/metrics") -> str:
+        with urllib.request.urlopen(self.url.replace("/metrics", path), timeout=30) as r:
+            return r.read().decode()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture
+def served(prefix):
+    e = Exporter("--prefix", prefix)
+    yield e
+    e.stop()
+
+
+def test_exporter_over_http(prefix, pair, served):
+    a, _ = pair
+    assert a.call("alloc", n=2)["ok"]
+    samples, rows = agreeing_scrape(prefix, get=lambda _p: parse(served.get()))
+    check_agrees(samples, rows)
+    assert served.url.startswith("http://127.0.0.1:")  # loopback unless asked
+    with pytest.raises(urllib.error.HTTPError) as e:
+        served.get("/other")
+    assert e.value.code == 404
+    assert served.stop() == 0  # SIGTERM: a clean exit
+
+
+def test_exporter_caps_connections(prefix, served):
+    idle = [socket.create_connection(("127.0.0.1", served.port), timeout=10) for _ in range(exporter.MAX_CONNECTIONS)]
+    try:
+        # Connections are accepted in order: this one finds every slot taken and is closed unanswered.
+        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as extra:
+            extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            assert extra.recv(100) == b""
+    finally:
+        for s in idle:
+            s.close()
+    for _ in range(100):  # the idle handlers notice the close and free their slots
+        try:
+            text = served.get()
+            break
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.05)
+    else:
+        raise AssertionError("the exporter did not serve again after the idle connections closed")
+    assert "# TYPE kvcached_device_held_bytes gauge" in text
+
+
+def test_exporter_bad_input():
+    r = kvctl("metrics", "--port", "70000")
+    assert r.returncode == 2 and "outside [0, 65535]" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = kvctl("metrics")
+    assert r.returncode == 2 and "--port" in r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        r = kvctl("metrics", "--port", str(s.getsockname()[1]))
+    assert r.returncode == 2 and "cannot listen on" in r.stderr and "pick another --port" in r.stderr, r.stderr
+    r = kvctl("metrics", "--port", "0", "--host", "192.0.2.1")  # not an address of this machine
+    assert r.returncode == 2 and "cannot listen on" in r.stderr
