@@ -182,6 +182,11 @@ class VllmBackend:
     def pages_over_limit(self) -> int:
         return self.pool.pages_over_limit()
 
+    def live_pages_over_limit(self) -> int:
+        """Pages still holding a block beyond the limit (emptied pages excluded:
+        they go at the next fence)."""
+        return self.pool.live_pages_over_limit()
+
     def close(self) -> None:
         """Removes the record and closes the connections. The workers are gone
         or going (vLLM stops them first), so nothing is unmapped remotely:

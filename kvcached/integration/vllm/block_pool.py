@@ -23,6 +23,13 @@ and go to:
   reservation), it undoes its own work and raises ``PoolShortage``, which the
   ``allocate_slots`` patch turns into None after rolling the call back.
 
+A lowered limit is reached while the engine decodes: while the pages that
+still hold blocks exceed it, ``get_num_free_blocks()`` is 0 (cached pages that
+can empty are evicted first), so the next running request that needs a block
+makes vLLM preempt its newest request, on vLLM's own path, until the rest fit.
+Without that, requests that fit in the pages they hold would keep them until
+they finish (seen on the H200: 9.9 s to reach a halved limit).
+
 Memory return: the prefix cache is bounded by ``KVCACHED_MAX_CACHED_TOKENS``
 (default: unbounded, like vLLM; ``kvcached.elastic.cache_bound``), and when
 the instance maps more than its limit allows (``kvctl limit`` lowered it)
@@ -122,6 +129,7 @@ class ElasticBlockPool(BlockPool):
         self.backend = VllmBackend.create(ctx, self.num_gpu_blocks)
         self.manager = self.backend.manager
         self._n_out = 0  # blocks handed out by the manager (in use or evictable), null excluded
+        self._shrinking = False  # over a lowered limit: preempt until the live pages fit (see module doc)
         self._max_cached = max_cached_tokens()
         self._block_tokens = max(1, int(getattr(self.backend.plan, "block_tokens", 1)))
         self._next_return_scan = 0.0
@@ -148,8 +156,12 @@ class ElasticBlockPool(BlockPool):
         if now >= self._avail_until:
             self._maybe_return_memory()
             self._avail = self.manager.available_size()
-            low = self._avail < self._low_blocks
+            # Invariant kept here: while over the limit, no block is handed out.
+            self._shrinking = self.backend.pages_over_limit() > 0 and self.backend.live_pages_over_limit() > 0
+            low = self._avail < self._low_blocks or self._shrinking
             self._avail_until = now + (_FREE_COUNT_TTL_LOW_S if low else _FREE_COUNT_TTL_S)
+        if self._shrinking:
+            return 0
         return self._avail + self.free_block_queue.num_free_blocks
 
     def num_in_use_blocks(self) -> int:
@@ -242,6 +254,11 @@ class ElasticBlockPool(BlockPool):
             self._give_back(to_ledger)
         if to_cache and self._max_cached is not None:
             self._bound_cache()
+        if self._shrinking:
+            # vLLM is preempting for us: evict the cached pages that emptied and
+            # recount at the next question, so preemption stops once the rest fit.
+            self._next_return_scan = 0.0
+            self._avail_until = 0.0
         forward = {"evict_first": True} if evict_first else {}  # vLLM < 0.34 pools do not take it
         for pool, blocks in other_pools.items():
             pool.free_blocks(blocks, **forward)

@@ -176,6 +176,35 @@ def test_a_lowered_limit_shows_as_fewer_free_blocks_and_returns_cached_pages(poo
         pool.get_new_blocks(free + 1)
 
 
+def test_a_limit_below_the_pages_holding_live_blocks_gives_no_block_until_they_fit(pool):
+    """A lowered limit must be reached while requests still decode: while the
+    pages holding live blocks exceed it the pool has no free block at all (so
+    vLLM preempts), and counting resumes as soon as what is left fits."""
+    from kvcached.control import set_instance_memory_limit
+
+    got = pool.get_new_blocks(24)
+    by_page: dict = {}
+    for b in got:
+        by_page.setdefault(b.block_id // 8, []).append(b)
+    held = sorted(by_page)
+    assert len(held) >= 3  # page 0 (null block) + the pages of 24 blocks
+    r = set_instance_memory_limit(2 * P * 2, name=pool.backend.name)  # page 0 + one more
+    assert r in ("applied", "deferred"), r.message
+    pool._avail_until = 0.0  # the count's refresh (at most 100 ms later in an engine)
+    assert pool.get_num_free_blocks() == 0  # free slots on held pages are not handed out either
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    keep = [p for p in held if p != 0][0]
+    for page in held:
+        if page not in (0, keep):
+            assert pool.get_num_free_blocks() == 0  # still over: keep preempting
+            pool.free_blocks(by_page[page])  # a preempted request's blocks
+    free = pool.get_num_free_blocks()
+    assert 0 < free <= 8 + 7 - len(by_page.get(0, [])) - len(by_page[keep])  # what fits under the limit
+    assert sorted(_mapped(pool)) == sorted({0, keep})
+    pool.free_blocks(by_page[keep] + by_page.get(0, []))
+
+
 def test_an_allocation_overtaken_by_another_process_raises_pool_shortage_and_leaks_nothing(pool, monkeypatch):
     from kvcached.integration.vllm.block_pool import PoolShortage
 
