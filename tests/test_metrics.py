@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -264,3 +265,30 @@ def test_exporter_bad_input():
     assert r.returncode == 2 and "cannot listen on" in r.stderr and "pick another --port" in r.stderr, r.stderr
     r = kvctl("metrics", "--port", "0", "--host", "192.0.2.1")  # not an address of this machine
     assert r.returncode == 2 and "cannot listen on" in r.stderr
+
+
+# ------------------------------------------------------------------ an engine's /metrics
+
+ENGINE_SCRAPE = """
+import json
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
+from kvcached.metrics import register_engine_collector
+
+assert register_engine_collector("vllm") is register_engine_collector("vllm")  # idempotent
+reg = CollectorRegistry()  # what SGLang (and vLLM with several API servers) serve
+multiprocess.MultiProcessCollector(reg)
+print(json.dumps({"default": generate_latest(REGISTRY).decode(), "multi": generate_latest(reg).decode()}))
+"""
+
+
+def test_engine_registries_show_their_instance_only(prefix, tmp_path):
+    base = prefix + "eng"
+    recs = [_C.MemInfoTracker.create(n, "vllm", 0, 0, 4 * BPP, 4 * BPP) for n in (base, base + "_g1", prefix + "other")]
+    env = dict(os.environ, KVCACHED_IPC_NAME=base, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", ENGINE_SCRAPE], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for text in json.loads(r.stdout).values():
+        names = {dict(k[1])["name"] for k in parse(text) if k[0] == "kvcached_limit_bytes"}
+        assert names == {base, base + "_g1"}, names  # not prefix + "other", nor any other run's
+        assert "kvcached_device_held_bytes" in text
+    del recs
