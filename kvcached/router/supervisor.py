@@ -293,21 +293,25 @@ class ModelEngine:
 
 
 def stop_group(proc: subprocess.Popen, timeout: float, name: str = "") -> Optional[int]:
-    """SIGTERM to the process group, SIGKILL after ``timeout`` (and to whatever the
-    leader left behind); returns the leader's exit status once the group is gone
-    (every wait bounded)."""
+    """SIGTERM to the process group; SIGKILL to whatever of it is left after
+    ``timeout`` (the engine's other processes get the same time as the leader to
+    finish, e.g. to remove their kvcached records). Returns the leader's exit
+    status once the group is gone (every wait bounded)."""
+    deadline = time.monotonic() + timeout
     _signal_group(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         log.warning("%s: engine pid %d ignored SIGTERM for %.0f s; killing it", name, proc.pid, timeout)
+    while time.monotonic() < deadline and _group_alive(proc.pid):
+        time.sleep(0.05)
     _signal_group(proc.pid, signal.SIGKILL)
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         log.error("%s: engine pid %d survived SIGKILL", name, proc.pid)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _group_alive(proc.pid):
+    kill_deadline = time.monotonic() + 10
+    while time.monotonic() < kill_deadline and _group_alive(proc.pid):
         time.sleep(0.05)
     return proc.returncode
 
