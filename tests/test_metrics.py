@@ -292,3 +292,20 @@ def test_engine_registries_show_their_instance_only(prefix, tmp_path):
         assert names == {base, base + "_g1"}, names  # not prefix + "other", nor any other run's
         assert "kvcached_device_held_bytes" in text
     del recs
+
+
+def test_docs_and_dashboard_use_exactly_the_exported_names(prefix, pair):
+    """docs/OBSERVABILITY.md documents every series, and the Grafana dashboard
+    uses no name the collector does not export."""
+    import re
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    assert pair[0].call("alloc", n=1)["ok"]
+    exported = {name for name, _ in scrape(prefix)}
+    with open(os.path.join(root, "docs", "OBSERVABILITY.md")) as f:
+        documented = set(re.findall(r"`(kvcached_[a-z_]+)`", f.read()))
+    assert exported <= documented, exported - documented
+    with open(os.path.join(root, "docs", "grafana_kvcached.json")) as f:
+        dash = json.load(f)
+    used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"kvcached_[a-z_]+", t["expr"])}
+    assert used and used <= exported, used - exported

@@ -5,6 +5,7 @@ query through its HTTP API returns the instances' series."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -81,6 +82,11 @@ def test_prometheus_scrapes_the_exporter(tmp_path):
         assert w.name in {r["metric"]["name"] for r in held}
         free = query(port, 'kvcached_device_free_bytes{device="cpu"}')
         assert free and float(free[0]["value"][1]) <= BUDGET
+        # Every query of the Grafana dashboard is valid PromQL for this server.
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "grafana_kvcached.json")) as f:
+            exprs = [t["expr"] for p in json.load(f)["panels"] for t in p["targets"]]
+        for e in exprs:
+            query(port, e.replace("$device", "cpu"))
     finally:
         prom.terminate()
         try:
