@@ -203,7 +203,12 @@ def test_rank_dies_during_map_fails_closed() -> None:
         with pytest.raises(StateConsistencyError, match="rank 1.*rollback not confirmed on rank 1"):
             c.map(OFFS)
         assert g.wait_exit((0, 1)) == 17
-        states = c.query()
+        # A live rank slower than the short timeout T under load shows as unreachable
+        # for one query: ask again (the dead one never answers).
+        for _ in range(10):
+            states = c.query()
+            if [s.rank for s in states if not s.reachable] == [1]:
+                break
         assert [s.rank for s in states if not s.reachable] == [1]
         survivors = [s for s in states if s.reachable]
         assert not consistency_problems(survivors, [], base), survivors
