@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh environment, lints (ruff), and runs the whole test suite (host backend;
 # GPU tests skip cleanly without a GPU), then the real-engine tests
-# (scripts/test_engines.sh: vLLM, scripts/test_engines_sglang.sh: SGLang;
+# (scripts/test_engines.sh: vLLM, scripts/test_engines_sglang.sh: SGLang,
+# scripts/test_engines_router.sh: the router in front of both;
 # KVCACHED_ENGINE_TESTS=0 skips them).
 # Usage: bash scripts/test.sh [pytest args for the main suite]
 set -euo pipefail
@@ -15,8 +16,17 @@ echo "[test] ruff (lint + format)"
 echo "[test] running pytest"
 # Run from tests/ so the installed package, not the source tree, is imported.
 (cd tests && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" .)
-# Then the real engines, each in its own venv (KVCACHED_ENGINE_TESTS=0 skips them).
+# Then the real engines, each in its own venv (KVCACHED_ENGINE_TESTS=0 skips them):
+# vLLM (version matrix), SGLang (version matrix), the router in front of both. Every
+# part runs even when one fails; the status is non-zero when any did.
 if [ "${KVCACHED_ENGINE_TESTS:-1}" != "0" ]; then
-  bash scripts/test_engines.sh
-  bash scripts/test_engines_sglang.sh
+  failed=()
+  for part in test_engines test_engines_sglang test_engines_router; do
+    echo "[test] $(date +%H:%M:%S) scripts/$part.sh"
+    bash "scripts/$part.sh" || failed+=("$part")
+  done
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "[test] engine tests failed: ${failed[*]}" >&2
+    exit 1
+  fi
 fi
