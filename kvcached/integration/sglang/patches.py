@@ -1,51 +1,76 @@
 """The SGLang patches, one per seam, each with the SGLang versions it is written for.
 
-Seams (SGLang 0.5.23; file:line in docs/notes/sglang_seams.md):
+Supported: SGLang 0.5.15-0.5.23. 0.5.15 and 0.5.23 run for real in CI (CPU);
+every release in between is proven from its source: each contract of each patch
+in range holds there (tests/contracts/test_sglang_seams.py). The seam x version
+table with file:line evidence is docs/notes/sglang_seams.md.
 
-  conflicts       server_args            ServerArgs.resolve_once: refuse memory saver,
-                                         post-capture VMM arena, spec decoding, PD, ...
-  capacity        kv_cache_configurator  _profile_available_bytes: a virtual KV budget
-                                         (the device's usable memory), not the free memory
-  pools           kv_cache_configurator  _resolve_kv_pool_class: elastic MHA/MLA pools
-  allocators      kv_cache_configurator  the allocator class names the builder uses, and a
-                                         check that an elastic pool got an elastic allocator
-  swa-allocators  allocator.swa          the sub-allocator class names of the SWA composite
-  scheduler       managers.scheduler     run_batch / process_batch_result / on_idle /
-                                         flush_cache: deferred release, prefix-cache bound;
-                                         kvcached_report for collective_rpc
+  seam                     0.5.15          0.5.16-0.5.18   0.5.19-0.5.20   0.5.21   0.5.22-0.5.23
+  refuse conflicts         __post_init__   __post_init__   resolve_once    resolve_once ...
+  KV budget                runner mixin    configurator    configurator    ...
+  pool class               mixin names     configurator names ...          names    _resolve_kv_pool_class
+  pool buffers             _create_buffers _create_buffers_normal ...
+  allocator classes        mixin names     configurator names + built-allocator check ...
+  SWA hybrids              refused         refused         refused         swa module names ...
+  prefill admission        PrefillAdder    PrefillAdder    PrefillAdder    allocator.create_prefill_budget
+  decode admission         check_decode_mem ...            allocator.check_decode_capacity ...
+  scheduler events         Scheduler.__init__/run_batch/process_batch_result/on_idle/flush_cache (all)
 
 A patch's ``apply(module)`` runs once per module object (``patch_base``
-marks it); wrappers keep the original in ``__kvcached_wrapped__``.
-Version notes: 0.5.23 releases paged memory through ``free_segments`` ->
-``free_page_ids`` -> ``_release_page_ids`` and has no ``cache_finished_req``;
-the allocators here are written against that API, hence the ranges.
+marks it); wrappers keep the original in ``__kvcached_wrapped__``. The allocators,
+pools and eviction helpers are version-neutral (they own every release entry
+point, see ``allocator.py``); what differs between releases is only which of
+these patches applies.
+
+Importing this module imports neither SGLang nor torch.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List, Tuple
 
 from kvcached.integration.patch_base import BasePatch, VersionRange, wrap_method
 
-SGLANG_0_5_23 = VersionRange.parse(">=0.5.23,<0.5.24")
-SUPPORTED = SGLANG_0_5_23
+SUPPORTED = VersionRange.parse(">=0.5.15,<0.5.24")
+ALL = SUPPORTED
+# Where the pools and allocators are built: ModelRunnerKVCacheMixin._init_pools (0.5.15),
+# then KVCacheConfigurator (0.5.16+).
+V0515 = VersionRange.parse(">=0.5.15,<0.5.16")
+CONFIGURATOR = VersionRange.parse(">=0.5.16,<0.5.24")
+# ServerArgs validation: __post_init__ until 0.5.18, resolve_once from 0.5.19.
+POST_INIT = VersionRange.parse(">=0.5.15,<0.5.19")
+RESOLVE_ONCE = VersionRange.parse(">=0.5.19,<0.5.24")
+# Pool class: module-level names until 0.5.21, _resolve_kv_pool_class from 0.5.22.
+POOL_NAMES = VersionRange.parse(">=0.5.16,<0.5.22")
+POOL_RESOLVER = VersionRange.parse(">=0.5.22,<0.5.24")
+# Admission read from available_size() in the scheduler: prefill until 0.5.20, decode until 0.5.18.
+PREFILL_ADDER = VersionRange.parse(">=0.5.15,<0.5.21")
+DECODE_MEM = VersionRange.parse(">=0.5.15,<0.5.19")
+# Hybrid sliding-window models: the composite's admission needs SWAPrefillBudget (0.5.21+).
+SWA = VersionRange.parse(">=0.5.21,<0.5.24")
+
+MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
+CONFIGURATOR_MOD = "sglang.srt.mem_cache.kv_cache_configurator"
 
 
 # --------------------------------------------------------------------- conflicts
-def _apply_conflicts(mod: ModuleType) -> None:
-    from kvcached.integration.sglang.conflicts import check_server_args
+def _conflicts(method: str) -> Callable[[ModuleType], None]:
+    def apply(mod: ModuleType) -> None:
+        from kvcached.integration.sglang.conflicts import check_server_args
 
-    def make(orig: Callable) -> Callable:
-        def resolve_once(self: Any, *a: Any, **k: Any) -> Any:
-            # Raw fields are enough and checking first stops before any
-            # resolution side effects; children re-check (cheap, same answer).
-            check_server_args(self)
-            return orig(self, *a, **k)
+        def make(orig: Callable) -> Callable:
+            def validate(self: Any, *a: Any, **k: Any) -> Any:
+                # Raw fields are enough and checking first stops before any
+                # resolution side effects; children re-check (cheap, same answer).
+                check_server_args(self)
+                return orig(self, *a, **k)
 
-        return resolve_once
+            return validate
 
-    wrap_method(mod.ServerArgs, "resolve_once", make)
+        wrap_method(mod.ServerArgs, method, make)
+
+    return apply
 
 
 # ---------------------------------------------------------------------- capacity
@@ -62,18 +87,30 @@ def virtual_kv_bytes(device: str) -> int:
     return int(usable_device_bytes(normalize_device(device)))
 
 
-def _apply_capacity(mod: ModuleType) -> None:
-    def make(orig: Callable) -> Callable:
-        def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
-            return virtual_kv_bytes(self.device)
+def _capacity(cls_name: str) -> Callable[[ModuleType], None]:
+    def apply(mod: ModuleType) -> None:
+        def make(orig: Callable) -> Callable:
+            def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
+                return virtual_kv_bytes(self.device)
 
-        return _profile_available_bytes
+            return _profile_available_bytes
 
-    wrap_method(mod.KVCacheConfigurator, "_profile_available_bytes", make)
+        wrap_method(getattr(mod, cls_name), "_profile_available_bytes", make)
+
+    return apply
 
 
 # ------------------------------------------------------------------------- pools
-def _apply_pools(mod: ModuleType) -> None:
+def _pool_names(mod: ModuleType) -> None:
+    # The builder constructs MHATokenToKVPool / MLATokenToKVPool by their module-level
+    # names (and never compares types with them): the elastic subclasses take their place.
+    from kvcached.integration.sglang.pool import ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
+
+    mod.MHATokenToKVPool = ElasticMHATokenToKVPool
+    mod.MLATokenToKVPool = ElasticMLATokenToKVPool
+
+
+def _pool_resolver(mod: ModuleType) -> None:
     from kvcached.integration.sglang.pool import ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
 
     elastic = {mod.MHATokenToKVPool: ElasticMHATokenToKVPool, mod.MLATokenToKVPool: ElasticMLATokenToKVPool}
@@ -90,37 +127,62 @@ def _apply_pools(mod: ModuleType) -> None:
     wrap_method(mod.KVCacheConfigurator, "_resolve_kv_pool_class", make)
 
 
-# -------------------------------------------------------------------- allocators
-def _apply_allocators(mod: ModuleType) -> None:
-    from kvcached.integration.sglang import allocator as ea
-    from kvcached.integration.sglang.conflicts import refuse
-    from kvcached.integration.sglang.pool import is_elastic_pool
+def _pool_buffers_0_5_15(mod: ModuleType) -> None:
+    from kvcached.integration.sglang.pool import ElasticMHATokenToKVPool, create_buffers_0_5_15
 
-    # The builder looks these names up in its module at call time; the elastic
+    ElasticMHATokenToKVPool._create_buffers = create_buffers_0_5_15
+
+
+# -------------------------------------------------------------------- allocators
+def _allocator_names(mod: ModuleType) -> None:
+    # The builders look these names up in their module at call time; the elastic
     # classes construct SGLang's own allocator for a pool that is not elastic.
+    from kvcached.integration.sglang import allocator as ea
+
     mod.TokenToKVPoolAllocator = ea.ElasticTokenToKVPoolAllocator
     mod.PagedTokenToKVPoolAllocator = ea.ElasticPagedTokenToKVPoolAllocator
-    mod.SWATokenToKVPoolAllocator = ea.ElasticSWATokenToKVPoolAllocator
+
+
+def check_built_allocator(alloc: Any, pool: Any) -> None:
+    """Fail closed: a native allocator over elastic buffers would hand out slots on pages
+    nobody maps, and a pool kvcached does not replace would silently run without it."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+    from kvcached.integration.sglang.allocator import _ElasticAllocatorMixin
+    from kvcached.integration.sglang.conflicts import refuse
+    from kvcached.integration.sglang.pool import is_elastic_pool
+    from kvcached.integration.sglang.swa_allocator import ElasticSWATokenToKVPoolAllocator
+
+    elastic_alloc = isinstance(alloc, (_ElasticAllocatorMixin, ElasticSWATokenToKVPoolAllocator))
+    if is_elastic_pool(pool) and elastic_alloc:
+        return
+    if isinstance(alloc, SWATokenToKVPoolAllocator):
+        raise refuse(
+            f"hybrid sliding-window models need SGLang {SWA} with kvcached ({type(alloc).__name__})",
+            f"install an SGLang version in {SWA}",
+        )
+    raise refuse(
+        f"SGLang built {type(alloc).__name__} over {type(pool).__name__}, a combination kvcached "
+        "does not make elastic (supported: MHA/GQA and MLA models, SWA hybrids)",
+        "use a supported model and configuration",
+    )
+
+
+def _refuse_shared_allocator():
+    from kvcached.integration.sglang.conflicts import refuse
+
+    return refuse("a draft worker shares the target's allocator (speculative decoding)", "drop --speculative-algorithm")
+
+
+def _allocators(mod: ModuleType) -> None:
+    _allocator_names(mod)
 
     def make(orig: Callable) -> Callable:
         def _build_token_to_kv_pool_allocator(self: Any, *a: Any, **k: Any) -> Any:
-            pool = k.get("token_to_kv_pool")
             if k.get("token_to_kv_pool_allocator") is not None:
-                raise refuse(
-                    "a draft worker shares the target's allocator (speculative decoding)",
-                    "drop --speculative-algorithm",
-                )
+                raise _refuse_shared_allocator()
             alloc = orig(self, *a, **k)
-            elastic_alloc = isinstance(alloc, (ea._ElasticAllocatorMixin, ea.ElasticSWATokenToKVPoolAllocator))
-            if not is_elastic_pool(pool) or not elastic_alloc:
-                # Fail closed: a native allocator over elastic buffers would
-                # hand out slots on pages nobody maps, and a pool kvcached does
-                # not replace would silently run without it.
-                raise refuse(
-                    f"SGLang built {type(alloc).__name__} over {type(pool).__name__}, a combination kvcached "
-                    "does not make elastic (supported: MHA/GQA and MLA models, SWA hybrids)",
-                    "use a supported model and configuration",
-                )
+            check_built_allocator(alloc, k.get("token_to_kv_pool"))
             return alloc
 
         return _build_token_to_kv_pool_allocator
@@ -128,16 +190,55 @@ def _apply_allocators(mod: ModuleType) -> None:
     wrap_method(mod.KVCacheConfigurator, "_build_token_to_kv_pool_allocator", make)
 
 
-def _apply_swa_allocators(mod: ModuleType) -> None:
-    from kvcached.integration.sglang import allocator as ea
+def _allocators_0_5_15(mod: ModuleType) -> None:
+    _allocator_names(mod)
 
-    mod.TokenToKVPoolAllocator = ea.ElasticTokenToKVPoolAllocator
-    mod.PagedTokenToKVPoolAllocator = ea.ElasticPagedTokenToKVPoolAllocator
+    def make(orig: Callable) -> Callable:
+        def _init_pools(self: Any, *a: Any, **k: Any) -> Any:
+            if getattr(self, "is_draft_worker", False):
+                raise _refuse_shared_allocator()
+            out = orig(self, *a, **k)
+            check_built_allocator(self.token_to_kv_pool_allocator, self.token_to_kv_pool)
+            return out
+
+        return _init_pools
+
+    wrap_method(mod.ModelRunnerKVCacheMixin, "_init_pools", make)
+
+
+def _swa_builder_name(mod: ModuleType) -> None:
+    from kvcached.integration.sglang.swa_allocator import ElasticSWATokenToKVPoolAllocator
+
+    mod.SWATokenToKVPoolAllocator = ElasticSWATokenToKVPoolAllocator
+
+
+def _swa_sub_allocators(mod: ModuleType) -> None:
+    _allocator_names(mod)  # the composite builds its two sub-allocators by these names
+
+
+# --------------------------------------------------------------------- admission
+def _prefill_adder(mod: ModuleType) -> None:
+    from kvcached.integration.sglang.admission import patch_prefill_adder
+
+    patch_prefill_adder(mod)
+
+
+def _check_decode_mem(mod: ModuleType) -> None:
+    from kvcached.integration.sglang.admission import patch_check_decode_mem
+
+    patch_check_decode_mem(mod)
 
 
 # --------------------------------------------------------------------- scheduler
-def _apply_scheduler(mod: ModuleType) -> None:
+def _scheduler(mod: ModuleType) -> None:
     from kvcached.integration.sglang import scheduler_hooks as sh
+
+    def make_init(orig: Callable) -> Callable:
+        def __init__(self: Any, *a: Any, **k: Any) -> None:
+            orig(self, *a, **k)
+            sh.after_init(self)
+
+        return __init__
 
     def make_run(orig: Callable) -> Callable:
         def run_batch(self: Any, batch: Any, *a: Any, **k: Any) -> Any:
@@ -172,6 +273,7 @@ def _apply_scheduler(mod: ModuleType) -> None:
         return flush_cache
 
     cls = mod.Scheduler
+    wrap_method(cls, "__init__", make_init)
     wrap_method(cls, "run_batch", make_run)
     wrap_method(cls, "process_batch_result", make_process)
     wrap_method(cls, "on_idle", make_idle)
@@ -180,48 +282,91 @@ def _apply_scheduler(mod: ModuleType) -> None:
 
 
 def all_patches() -> List[BasePatch]:
-    r = SGLANG_0_5_23
+    p = BasePatch
     return [
-        BasePatch(
-            "sglang-conflicts",
-            "sglang.srt.server_args",
-            r,
-            _apply_conflicts,
-            "refuse SGLang features that own or re-address the KV memory",
-        ),
-        BasePatch(
-            "sglang-capacity",
-            "sglang.srt.mem_cache.kv_cache_configurator",
-            r,
-            _apply_capacity,
-            "size the pool from a virtual budget, not from free device memory",
-        ),
-        BasePatch(
-            "sglang-pools",
-            "sglang.srt.mem_cache.kv_cache_configurator",
-            r,
-            _apply_pools,
-            "elastic MHA/MLA pools (FTensor-backed buffers)",
-        ),
-        BasePatch(
-            "sglang-allocators",
-            "sglang.srt.mem_cache.kv_cache_configurator",
-            r,
-            _apply_allocators,
-            "elastic token/paged/SWA allocators (0.5.23 release API)",
-        ),
-        BasePatch(
-            "sglang-swa-allocators",
-            "sglang.srt.mem_cache.allocator.swa",
-            r,
-            _apply_swa_allocators,
-            "elastic sub-allocators inside the SWA composite",
-        ),
-        BasePatch(
-            "sglang-scheduler",
-            "sglang.srt.managers.scheduler",
-            r,
-            _apply_scheduler,
-            "deferred physical release, prefix-cache bound, kvcached_report",
-        ),
-    ]
+        p("sglang-conflicts-post-init", "sglang.srt.server_args", POST_INIT, _conflicts("__post_init__"),
+          "refuse SGLang features that own or re-address the KV memory (ServerArgs.__post_init__)"),
+        p("sglang-conflicts", "sglang.srt.server_args", RESOLVE_ONCE, _conflicts("resolve_once"),
+          "refuse SGLang features that own or re-address the KV memory (ServerArgs.resolve_once)"),
+        p("sglang-capacity-0.5.15", MIXIN, V0515, _capacity("ModelRunnerKVCacheMixin"),
+          "size the pool from a virtual budget, not from free device memory (model runner)"),
+        p("sglang-capacity", CONFIGURATOR_MOD, CONFIGURATOR, _capacity("KVCacheConfigurator"),
+          "size the pool from a virtual budget, not from free device memory"),
+        p("sglang-pool-names-0.5.15", MIXIN, V0515, _pool_names,
+          "elastic MHA/MLA pools: the model runner builds them by module-level name"),
+        p("sglang-pool-names", CONFIGURATOR_MOD, POOL_NAMES, _pool_names,
+          "elastic MHA/MLA pools: the configurator builds them by module-level name"),
+        p("sglang-pools", CONFIGURATOR_MOD, POOL_RESOLVER, _pool_resolver,
+          "elastic MHA/MLA pools: the configurator's _resolve_kv_pool_class"),
+        p("sglang-pool-buffers-0.5.15", "sglang.srt.mem_cache.memory_pool", V0515, _pool_buffers_0_5_15,
+          "0.5.15 builds buffers and pointer tables in one _create_buffers"),
+        p("sglang-allocators-0.5.15", MIXIN, V0515, _allocators_0_5_15,
+          "elastic token/paged allocators, built by name in the model runner; the result is checked"),
+        p("sglang-allocators", CONFIGURATOR_MOD, CONFIGURATOR, _allocators,
+          "elastic token/paged allocators, built by name in the configurator; the result is checked"),
+        p("sglang-swa-builder", CONFIGURATOR_MOD, SWA, _swa_builder_name,
+          "the elastic SWA composite for hybrid sliding-window models"),
+        p("sglang-swa-allocators", "sglang.srt.mem_cache.allocator.swa", SWA, _swa_sub_allocators,
+          "elastic sub-allocators inside the SWA composite"),
+        p("sglang-prefill-adder", "sglang.srt.managers.schedule_policy", PREFILL_ADDER, _prefill_adder,
+          "prefill admission by what can be mapped now (PrefillAdder reads available_size)"),
+        p("sglang-check-decode-mem", "sglang.srt.managers.schedule_batch", DECODE_MEM, _check_decode_mem,
+          "decode admission by what can be mapped now (retract instead of a failed alloc)"),
+        p("sglang-scheduler", "sglang.srt.managers.scheduler", ALL, _scheduler,
+          "deferred physical release, prefix-cache bound, idle give-back, kvcached_report"),
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------ known breaks
+
+# The releases tests/contracts/test_sglang_seams.py reads: every release in the
+# range (docs/notes/sglang_seams.md has the evidence).
+CHECKED_VERSIONS = (
+    "0.5.15",
+    "0.5.15.post1",
+    "0.5.16",
+    "0.5.17",
+    "0.5.18",
+    "0.5.19",
+    "0.5.20",
+    "0.5.21",
+    "0.5.22",
+    "0.5.23",
+)
+
+# (patch name, version) -> why that patch's seam contract fails on that release.
+# Only releases outside the patch's range belong here: the contract test marks
+# them strict xfail (so the table cannot go stale: a break that is fixed reports
+# XPASS); a release outside the range not listed must pass.
+_V = CHECKED_VERSIONS
+_0515 = _V[:2]  # 0.5.15, 0.5.15.post1
+_NO_MIXIN = "0.5.16+: the pools are built by KVCacheConfigurator; model_runner_kv_cache_mixin is gone"
+_NO_CONFIGURATOR = "0.5.15: no KVCacheConfigurator; ModelRunnerKVCacheMixin._init_pools builds the pools"
+
+KNOWN_BREAKS: Dict[Tuple[str, str], str] = {
+    **{("sglang-conflicts-post-init", v): "0.5.19+: ServerArgs validates in resolve_once() (sglang-conflicts); "
+       "0.5.20+ declares its fields in arg_groups/fields" for v in _V[5:]},
+    **{("sglang-conflicts", v): "before 0.5.19: no ServerArgs.resolve_once; __post_init__ validates "
+       "(sglang-conflicts-post-init)" for v in _V[:5]},
+    **{("sglang-capacity-0.5.15", v): _NO_MIXIN + " (sglang-capacity)" for v in _V[2:]},
+    **{("sglang-capacity", v): _NO_CONFIGURATOR + " and profiles (sglang-capacity-0.5.15)" for v in _0515},
+    **{("sglang-pool-names-0.5.15", v): _NO_MIXIN + " (sglang-pool-names)" for v in _V[2:]},
+    **{("sglang-pool-names", v): _NO_CONFIGURATOR + " (sglang-pool-names-0.5.15)" for v in _0515},
+    **{("sglang-pool-names", v): "0.5.22+: _resolve_kv_pool_class picks the pool class and compares it with "
+       "the module's pool classes (sglang-pools)" for v in _V[8:]},
+    **{("sglang-pools", v): "before 0.5.22: no _resolve_kv_pool_class; the builders use the module-level names "
+       "(sglang-pool-names, sglang-pool-names-0.5.15)" for v in _V[:8]},
+    **{("sglang-pool-buffers-0.5.15", v): "0.5.16+: _create_buffers carves the plain layout in "
+       "_create_buffers_normal, which the elastic pool overrides" for v in _V[2:]},
+    **{("sglang-allocators-0.5.15", v): _NO_MIXIN + " (sglang-allocators)" for v in _V[2:]},
+    **{("sglang-allocators", v): _NO_CONFIGURATOR + " (sglang-allocators-0.5.15)" for v in _0515},
+    **{("sglang-swa-builder", v): _NO_CONFIGURATOR for v in _0515},
+    **{("sglang-swa-allocators", v): "before 0.5.20: the SWA composite has no _swa_req_ring; before 0.5.21: no "
+       "SWAPrefillBudget (hybrid sliding-window models are refused)" for v in _V[:6]},
+    ("sglang-swa-allocators", "0.5.20"): "0.5.20: no SWAPrefillBudget, the composite's prefill admission reads "
+    "available_size in PrefillAdder (hybrid sliding-window models are refused)",
+    **{("sglang-prefill-adder", v): "0.5.21+: PrefillAdder asks the allocator's create_prefill_budget "
+       "(ElasticPrefillBudget)" for v in _V[7:]},
+    **{("sglang-check-decode-mem", v): "0.5.19+: check_decode_mem asks the allocator's check_decode_capacity"
+       for v in _V[5:]},
+}  # fmt: skip

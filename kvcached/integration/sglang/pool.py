@@ -315,7 +315,13 @@ def _mla_base():
 
 
 class ElasticMHATokenToKVPool(_mha_base()):
-    """MHATokenToKVPool over kvcached: same shapes, strides and K/V placement."""
+    """MHATokenToKVPool over kvcached: same shapes, strides and K/V placement.
+
+    From SGLang 0.5.16 ``_create_buffers`` calls ``_create_buffers_normal`` for
+    the plain layout and then builds the pointer tables itself; 0.5.15 does it
+    all in ``_create_buffers`` (the ``sglang-pool-buffers-0.5.15`` patch
+    installs ``create_buffers_0_5_15`` below for it).
+    """
 
     kvcached_group: Optional[ElasticGroup] = None
 
@@ -325,17 +331,34 @@ class ElasticMHATokenToKVPool(_mha_base()):
         super()._create_buffers()  # -> _create_buffers_normal below, then the pointer tables
 
     def _create_buffers_normal(self) -> None:
-        k_shape, v_shape = self._kv_buffer_shapes()
-        if tuple(k_shape) != tuple(v_shape):
+        # The token-major (NHD) shapes of every release: rows = size + page_size.
+        rows = int(self.size) + int(self.page_size)
+        if self.head_dim != self.v_head_dim:
             raise conflicts.refuse(
-                f"K {tuple(k_shape)} and V {tuple(v_shape)} rows differ (v_head_dim != head_dim); kvcached maps "
-                "K and V of a token at the same offset",
+                f"K ({self.head_dim}) and V ({self.v_head_dim}) head dims differ (v_head_dim != head_dim); "
+                "kvcached maps K and V of a token at the same offset",
                 "use a model whose K and V head dims are equal",
             )
-        rows, heads, dim = (int(x) for x in k_shape)
-        self.kvcached_group = create_group(self, rows=rows, heads=heads, dim=dim, kv=2)
+        self.kvcached_group = create_group(self, rows=rows, heads=int(self.head_num), dim=int(self.head_dim), kv=2)
         self.k_buffer = list(self.kvcached_group.k_views)
         self.v_buffer = list(self.kvcached_group.v_views)
+
+
+def create_buffers_0_5_15(self: Any) -> None:
+    """``ElasticMHATokenToKVPool._create_buffers`` for SGLang 0.5.15: the elastic buffers,
+    then the pointer tables exactly as 0.5.15's own ``_create_buffers`` builds them."""
+    import numpy as np
+    import torch
+
+    conflicts.check_pool(self)
+    _refuse_layout(self)
+    self._create_buffers_normal()
+    self.k_data_ptrs = torch.tensor([x.data_ptr() for x in self.k_buffer], dtype=torch.uint64, device=self.device)
+    self.v_data_ptrs = torch.tensor([x.data_ptr() for x in self.v_buffer], dtype=torch.uint64, device=self.device)
+    self.data_ptrs = torch.cat([self.k_data_ptrs, self.v_data_ptrs], dim=0)
+    self.data_strides = torch.tensor(
+        [np.prod(x.shape[1:]) * x.dtype.itemsize for x in self.k_buffer + self.v_buffer], device=self.device
+    )
 
 
 class ElasticMLATokenToKVPool(_mla_base()):

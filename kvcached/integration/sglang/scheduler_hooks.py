@@ -53,6 +53,8 @@ from typing import Any, Dict
 
 from kvcached.elastic import IdleAction, cache_excess_tokens
 from kvcached.elastic.cache_bound import max_cached_tokens
+from kvcached.integration.patch_base import summary_of
+from kvcached.integration.sglang.eviction import evict_tokens, evict_until, prefix_sharing
 from kvcached.integration.sglang.pool import elastic_groups, instance
 
 logger = logging.getLogger("kvcached.integration.sglang")
@@ -68,6 +70,16 @@ _stats: Dict[str, int] = {
     "flushes": 0,
     "peer_evicted_tokens": 0,
 }
+
+
+def after_init(scheduler: Any) -> None:
+    """The scheduler is built: its elastic allocators learn its prefix cache (they evict
+    from it when an allocation comes up short, see ``allocator.py``)."""
+    alloc = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    tree = getattr(scheduler, "tree_cache", None)
+    for a in (alloc, getattr(alloc, "full_attn_allocator", None), getattr(alloc, "swa_attn_allocator", None)):
+        if a is not None and hasattr(a, "kvcached_tree_cache"):
+            a.kvcached_tree_cache = tree
 
 
 def after_launch(result: Any) -> None:
@@ -123,8 +135,8 @@ def give_back_to_peers(tree_cache: Any) -> int:
     if not inst.idle_action() & IdleAction.GIVE_TO_PEERS:
         return 0
     n = 0
-    if _has_cache(tree_cache) and tree_cache.evictable_size() > 0:
-        n = _evict(tree_cache, tree_cache.evictable_size())
+    if prefix_sharing(tree_cache) and tree_cache.evictable_size() > 0:
+        n = evict_tokens(tree_cache, tree_cache.evictable_size())
         _stats["peer_evicted_tokens"] += n
     release_all()
     inst.give_back()
@@ -144,35 +156,23 @@ def release_all() -> int:
     return instance().fence.idle()
 
 
-def _has_cache(tree_cache: Any) -> bool:
-    return tree_cache is not None and tree_cache.supports_prefix_sharing()
-
-
 def bound_prefix_cache(tree_cache: Any) -> int:
     """Evicts unlocked prefix-cache entries above KVCACHED_MAX_CACHED_TOKENS; returns tokens evicted."""
     bound = max_cached_tokens()
-    if bound is None or not _has_cache(tree_cache):
+    if bound is None or not prefix_sharing(tree_cache):
         return 0
     evictable = int(tree_cache.evictable_size())
     excess = cache_excess_tokens(evictable + int(tree_cache.protected_size()), evictable, bound)
     if excess <= 0:
         return 0
-    n = _evict(tree_cache, excess)
+    n = evict_tokens(tree_cache, excess)
     _stats["cache_bound_evicted_tokens"] += n
     return n
 
 
-def _evict(tree_cache: Any, num_tokens: int) -> int:
-    """Evicts up to ``num_tokens`` unlocked tokens (SGLang's LRU policy); returns how many went."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    res = tree_cache.evict(EvictParams(num_tokens=int(num_tokens)))
-    return int(getattr(res, "num_tokens_evicted", 0) or 0)
-
-
 def shrink_to_limits(tree_cache: Any) -> int:
     """Evicts unlocked prefix-cache entries while a pool maps more than its limit; returns tokens evicted."""
-    if not _has_cache(tree_cache):
+    if not prefix_sharing(tree_cache):
         return 0
     evicted = 0
     for g in elastic_groups():
@@ -182,13 +182,15 @@ def shrink_to_limits(tree_cache: Any) -> int:
         instance().fence.release_due(grace_s=0.0)  # no grace period over the limit
         if tree_cache.evictable_size() <= 0 or g.live_pages_over_limit() <= 0:
             continue  # only emptied pages or the reserve are over: released/trimmed without evicting
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        res = tree_cache.evict_for_alloc(
-            EvictParams(num_tokens=tree_cache.evictable_size()),
-            allocation_reclaim_satisfied=lambda g=g: g.live_pages_over_limit() <= 0,
+        # At least the tokens of the pages over the limit must go; evicted in
+        # steps of that size (LRU order) until the live pages fit. Evicted slots
+        # may wait in an allocator's spare list: drained before each look.
+        per_page = g.page_tokens * max(1, g.manager.page_size // g.manager.block_mem_size)
+        n = evict_until(
+            tree_cache,
+            lambda g=g: g.drain() >= 0 and g.live_pages_over_limit() <= 0,
+            lambda g=g, per_page=per_page: g.live_pages_over_limit() * per_page,
         )
-        n = int(getattr(res, "num_tokens_evicted", 0) or 0)
         evicted += n
         _stats["limit_evicted_tokens"] += n
     return evicted
@@ -246,6 +248,8 @@ def report(scheduler: Any) -> Dict[str, Any]:
         "protected_size": tree.protected_size() if tree is not None else None,
         "max_cached_tokens": max_cached_tokens(),
         "pools": pools,
+        # kvcached's vLLM patches in this process ("" when none: SGLang may import vLLM as a library).
+        "vllm_patches": summary_of("vLLM"),
     }
     out.update(_stats)
     return out

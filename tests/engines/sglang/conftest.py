@@ -40,6 +40,20 @@ def pytest_configure(config) -> None:
 
 
 @pytest.fixture(scope="session")
+def kvcached_patches():
+    """kvcached's SGLang patches applied in this process (what an engine process gets):
+    on 0.5.15 the elastic MHA pool carves its buffers through one of them."""
+    os.environ["ENABLE_KVCACHED"] = "1"
+    try:
+        from kvcached.integration.sglang import plugin
+
+        plugin.activate()
+        return plugin.patch_manager()
+    finally:
+        del os.environ["ENABLE_KVCACHED"]
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny random Llama (2 layers, 2 KV heads, head_dim 32), built at test time."""
     from kvcached.testing.tiny_model import build_tiny_llama

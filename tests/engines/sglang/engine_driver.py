@@ -67,6 +67,17 @@ def memfd_pages(pid: int) -> int:
     return len(inodes)
 
 
+def maps_mentioning(pid: int, path: Optional[str]) -> int:
+    """Lines of /proc/<pid>/maps naming a file below ``path`` (0 when path is None)."""
+    if not path:
+        return 0
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return sum(1 for line in f if path in line)
+    except FileNotFoundError:
+        return -1
+
+
 class Sampler:
     """Samples a number in a background thread (peak and last)."""
 
@@ -126,15 +137,27 @@ class EngineClient:
         self.engine.shutdown()
 
 
+def free_port() -> int:
+    """A free local port below 55536: SGLang before 0.5.16 opens a gRPC port at port + 10000."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(20000, 55000)
+        with socket.socket() as sk:
+            try:
+                sk.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-55000")
+
+
 class ServerClient:
     """``python -m sglang.launch_server`` (the user's unchanged command) over HTTP."""
 
-    def __init__(self, cfg: Dict[str, Any], kw: Dict[str, Any]) -> None:
-        import socket
-
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            self.port = sk.getsockname()[1]
+    def __init__(self, cfg: Dict[str, Any], kw: Dict[str, Any], env: Optional[Dict[str, str]] = None) -> None:
+        self.port = free_port()
         flags = [
             "--model-path",
             cfg["model"],
@@ -163,9 +186,10 @@ class ServerClient:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
         )
         self.base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600  # a bound for a busy 2-core machine
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"launch_server exited rc={self.proc.returncode}; see {self.log_path}")
@@ -175,7 +199,7 @@ class ServerClient:
             except Exception:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"launch_server not ready after 300 s; see {self.log_path}")
+                raise RuntimeError(f"launch_server not ready after 600 s; see {self.log_path}")
             time.sleep(0.5)
 
     def _req(self, path: str, body: Any, timeout: float = 600):
@@ -314,6 +338,8 @@ def main() -> int:
             res["record_name"] = cfg["record_name"]
             res["record_start"] = dataclasses.asdict(record())
             res["memfd_pages_start"] = memfd_pages(sched_pid)
+            # A real vLLM given instead of the stub: its files mapped in the scheduler (it was imported).
+            res["vllm_in_scheduler"] = maps_mentioning(sched_pid, cfg.get("vllm_dir"))
             report("start")
 
         # W1: three short prompts.
@@ -371,6 +397,8 @@ def main() -> int:
                 timeout=60,
             )
             res["kvctl_limit"] = [cp.returncode, cp.stdout.strip(), cp.stderr.strip()]
+            # The batch kept allocating while kvctl started: what was mapped when the limit landed.
+            res["w4_mapped_when_limited"] = record().mapped
             with Sampler(lambda: record().mapped) as lim_s:
                 th.join(timeout=600)
             res["w4_alive"] = th.is_alive()
@@ -414,6 +442,9 @@ def main() -> int:
             res["w5"]["alive_after"] = client.generate(PROMPTS[:1], SHORT)[0]["output_ids"]
     finally:
         client.close()
+    from kvcached.integration.patch_base import summary_of
+
+    res["driver_patches"] = summary_of("vLLM")  # kvcached's vLLM patches in this (Engine) process
     with open(out_path, "w") as f:
         json.dump(res, f)
     return 0

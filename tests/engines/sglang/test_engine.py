@@ -4,7 +4,10 @@ Four engine runs, each in its own process (engine_driver.py), grouped so that
 every check below reads their results:
 
   native-1     sglang.Engine, page size 1, --max-total-tokens 2048, no kvcached
-  native-16    the same at page size 16
+  native-16    the same at page size 16 (SGLang 0.5.22+: older releases place paged
+               slots with Triton only and cannot run paged on a CPU; there the
+               kvcached page-size-16 run is compared with native-1, greedy tokens
+               do not depend on the page size: checked where both native runs exist)
   kvcached-1   sglang.Engine, page size 1, kvcached through the ``sglang.srt.plugins``
                entry point only (KVCACHED_AUTOPATCH=0); no --max-total-tokens: the pool
                is sized from kvcached's virtual budget (KVCACHED_HOST_MEMORY_BUDGET=64M);
@@ -25,9 +28,10 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import pytest
+from sglang_versions import NATIVE_PAGED_ON_CPU, sglang_version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "engine_driver.py")
@@ -48,6 +52,7 @@ RUNS = {
         max_total_tokens=None,
         limit_bytes=LIMIT,
         peer_want_bpp=BYTES_PER_PAGE,
+        vllm="supported",
         env={
             "KVCACHED_AUTOPATCH": "0",
             "KVCACHED_HOST_MEMORY_BUDGET": "64M",
@@ -61,14 +66,24 @@ RUNS = {
         limit_bytes=LIMIT,
         server=True,
         log_level="info",
+        vllm="unsupported",
         env={"KVCACHED_AUTOPATCH": "1"},
     ),
 }
 
 
-def _env(extra: Dict[str, str], kv: bool, name: str) -> Dict[str, str]:
+def vllm_dir(kind: Optional[str]) -> Optional[str]:
+    """A real vLLM (``pip install --no-deps --target``, made by scripts/test_engines_sglang.sh)
+    that SGLang imports instead of the test stub: KVCACHED_SGLANG_VLLM_SUPPORTED /
+    KVCACHED_SGLANG_VLLM_UNSUPPORTED (a vLLM inside / outside kvcached's vLLM range)."""
+    return os.environ.get(f"KVCACHED_SGLANG_VLLM_{kind.upper()}") if kind else None
+
+
+def _env(extra: Dict[str, str], kv: bool, name: str, vllm: Optional[str] = None) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "SGLANG_")) and k != "ENABLE_KVCACHED"}
-    env["PYTHONPATH"] = STUBS + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # SGLang imports vllm._custom_ops on the CPU path: the real vLLM when given, else the stub.
+    first = vllm or STUBS
+    env["PYTHONPATH"] = first + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if kv:
         env.update(
@@ -86,8 +101,11 @@ def runs(tiny_model, tmp_path_factory) -> Dict[str, Dict[str, Any]]:
     work = tmp_path_factory.mktemp("engine_runs")
     out: Dict[str, Dict[str, Any]] = {}
     for key, spec in RUNS.items():
+        if key == "native-16" and sglang_version() < NATIVE_PAGED_ON_CPU:
+            continue
         spec = dict(spec)
         extra = spec.pop("env", {})
+        with_vllm = vllm_dir(spec.pop("vllm", None))
         name = f"kvcached_sglang_t{os.getpid()}_{key.replace('-', '')}"
         cfg = dict(
             spec,
@@ -95,6 +113,7 @@ def runs(tiny_model, tmp_path_factory) -> Dict[str, Dict[str, Any]]:
             report=str(work / f"{key}.report.json"),
             server_log=str(work / f"{key}.server.log"),
             record_name=name,
+            vllm_dir=with_vllm,
         )
         cfg_path, res_path, log_path = (str(work / f"{key}.{x}") for x in ("cfg.json", "out.json", "log"))
         with open(cfg_path, "w") as f:
@@ -103,7 +122,7 @@ def runs(tiny_model, tmp_path_factory) -> Dict[str, Dict[str, Any]]:
         with open(log_path, "w") as log:
             rc = subprocess.run(
                 [sys.executable, DRIVER, cfg_path, res_path],
-                env=_env(extra, spec["kvcached"], name),
+                env=_env(extra, spec["kvcached"], name, with_vllm),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 timeout=900,
@@ -122,10 +141,22 @@ def runs(tiny_model, tmp_path_factory) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+def native_run(runs: Dict[str, Dict[str, Any]], ps: int) -> Dict[str, Any]:
+    """SGLang without kvcached at page size ``ps``, else (no paged CPU path) at page size 1."""
+    return runs.get(f"native-{ps}") or runs["native-1"]
+
+
 # ------------------------------------------------------------------ 1. identical outputs
+def test_native_tokens_do_not_depend_on_the_page_size(runs) -> None:
+    if "native-16" not in runs:
+        pytest.skip("SGLang < 0.5.22 cannot run paged on a CPU without kvcached")
+    for w in ("w1", "w2", "w3", "w4"):
+        assert runs["native-1"][w] == runs["native-16"][w], w
+
+
 @pytest.mark.parametrize("ps", [1, 16])
 def test_greedy_outputs_identical_with_and_without_kvcached(runs, ps: int) -> None:
-    native, kv = runs[f"native-{ps}"], runs[f"kvcached-{ps}"]
+    native, kv = native_run(runs, ps), runs[f"kvcached-{ps}"]
     for w in ("w1", "w2", "w3", "w4"):
         assert native[w] and kv[w] == native[w], f"{w} differs at page size {ps}"
     # 8 requests x 96 new tokens each, all of them, also in the batch that ran into the lowered limit.
@@ -137,11 +168,14 @@ def test_greedy_outputs_identical_with_and_without_kvcached(runs, ps: int) -> No
 @pytest.mark.parametrize("ps", [1, 16])
 def test_prefix_cache_hits_and_flush(runs, ps: int) -> None:
     for key in (f"native-{ps}", f"kvcached-{ps}"):
+        if key not in runs:
+            continue
         r = runs[key]
         first, again, after = r["w2_cached"]
         assert again >= (40 if ps == 1 else 32), (key, r["w2_cached"])  # whole pages of the 41-token prompt
         assert after == 0 and r["flush"], key
-    assert runs[f"kvcached-{ps}"]["w2_cached"] == runs[f"native-{ps}"]["w2_cached"]
+    if f"native-{ps}" in runs:
+        assert runs[f"kvcached-{ps}"]["w2_cached"] == runs[f"native-{ps}"]["w2_cached"]
 
 
 @pytest.mark.parametrize("ps", [1, 16])
@@ -180,7 +214,7 @@ def test_virtual_capacity_from_budget_not_free_memory(runs) -> None:
     # whatever the host's free memory is (24 GiB machines would give ~45M tokens).
     n = r["max_total_num_tokens"]
     assert 0.9 * BUDGET / TOKEN_BYTES <= n <= BUDGET / TOKEN_BYTES
-    assert runs["kvcached-16"]["max_total_num_tokens"] == runs["native-16"]["max_total_num_tokens"] == 2048
+    assert runs["kvcached-16"]["max_total_num_tokens"] == native_run(runs, 16)["max_total_num_tokens"] == 2048
     rep = r["reports"]["start"]
     assert rep["allocator_class"] == "ElasticTokenToKVPoolAllocator"
     assert rep["pool_class"] == "ElasticMHATokenToKVPool"
@@ -231,7 +265,9 @@ def test_kvctl_limit_lowered_mid_run_keeps_serving(runs, ps: int) -> None:
     assert rc == 0 and ("applied" in out or "deferred" in out), (out, err)
     assert r["w4_used_when_limited"] >= LIMIT  # lowered below what the batch held
     assert not r["w4_alive"] and r["w4_error"] is None
-    assert r["w4_peak_mapped_after_limit"] <= LIMIT + 2 * BYTES_PER_PAGE
+    # From then on nothing is mapped past the limit (what the batch held when it landed
+    # may stay until its blocks are freed; on a busy machine kvctl takes a moment to start).
+    assert r["w4_peak_mapped_after_limit"] <= max(LIMIT + 2 * BYTES_PER_PAGE, r["w4_mapped_when_limited"])
     rec = r["w4_record_limited"]
     # Under the limit in the end: the prefix cache gave back what the batch left above it.
     assert (
@@ -252,3 +288,24 @@ def test_server_run_is_the_unchanged_command(runs) -> None:
         assert "(patched via autopatch)" in log
     else:
         assert "(patched via autopatch)" in log or "(patched via plugin)" in log
+
+
+# -------------------------------------------- SGLang beside a real vLLM (a library there)
+@pytest.mark.parametrize("key,kind", [("kvcached-1", "supported"), ("kvcached-16", "unsupported")])
+def test_sglang_serves_beside_a_real_vllm(runs, key: str, kind: str) -> None:
+    """SGLang imports ``vllm._custom_ops`` on the CPU path. With a real vLLM there (kvcached
+    supports vLLM 0.30-0.34: 0.32.0 inside the range, 0.29.0 outside), SGLang runs with
+    kvcached and vLLM stays a library: kvcached's vLLM patches are not activated (for
+    0.29.0 their version check would have stopped start-up)."""
+    where = vllm_dir(kind)
+    if not where:
+        if os.environ.get("KVCACHED_REQUIRE_VLLM_COINSTALL") == "1":
+            pytest.fail(f"KVCACHED_SGLANG_VLLM_{kind.upper()} is not set (scripts/test_engines_sglang.sh sets it)")
+        pytest.skip(f"no real vLLM given (KVCACHED_SGLANG_VLLM_{kind.upper()}); the stub stood in")
+    r = runs[key]
+    assert r["config"]["vllm_dir"] == where
+    assert r["vllm_in_scheduler"] > 0, "vLLM's compiled ops were not loaded in the scheduler"
+    assert "kvcached supports vLLM" not in r["log"] and "vLLM" not in r.get("driver_patches", "")
+    for rep in (r.get("reports") or {}).values():
+        assert rep["vllm_patches"] == "", rep["vllm_patches"]
+    assert r["w1"] == native_run(runs, 1 if key.endswith("-1") else 16)["w1"]  # serves normally

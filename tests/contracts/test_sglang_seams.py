@@ -1,0 +1,662 @@
+"""Seam contracts: every SGLang name, signature and attribute kvcached's SGLang integration
+relies on, read from each SGLang release's source with ``ast`` (SGLang is never imported).
+
+Two tables:
+
+* ``PATCHES``: for every patch of ``kvcached.integration.sglang.patches.all_patches()``
+  and every release in ``VERSIONS``, what the patch touches in SGLang. A release inside
+  the patch's range must satisfy it; outside the range it must fail exactly where
+  ``patches.KNOWN_BREAKS`` says (``xfail(strict=True)`` with the reason: that table
+  is the seam x version evidence and cannot go stale), or pass.
+* ``CLASSES``: what the version-neutral parts (elastic pools and allocators, the
+  eviction helpers, the scheduler hooks' reads, activation) rely on, on every
+  supported release. An item may carry its own range: a hook SGLang only calls
+  from some release on (``check_decode_capacity`` from 0.5.19, ...).
+
+Sources come from ``scripts/engine_sources.py`` (the release wheel, cached outside
+the clone). A release not cached is skipped with the reason, unless
+``KVCACHED_REQUIRE_SEAM_SOURCES=1``, which downloads it.
+``python tests/contracts/test_sglang_seams.py [-v]`` prints the seam x version table
+with ``file:line`` evidence (what docs/notes/sglang_seams.md is written from).
+
+Why this module is long: the contract table (one entry per SGLang name a patch relies on) is the point of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from seam_ast import (  # noqa: E402
+    Check,
+    Finding,
+    Tree,
+    all_of,
+    any_of,
+    calls_in,
+    defines,
+    has_methods,
+    mentions,
+    module_binds,
+    overrides_match,
+    sets_attrs,
+    signature,
+)
+from sglang_checks import (  # noqa: E402
+    constant,
+    fields_declared,
+    is_property,
+    names_not_compared,
+    release_paths_covered,
+    uses_name,
+)
+
+from kvcached.integration.patch_base import VersionRange, parse_version  # noqa: E402
+
+OURS = ROOT / "kvcached" / "integration" / "sglang"
+
+SA = "sglang.srt.server_args"
+MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
+RUNNER = "sglang.srt.model_executor.model_runner"
+KCC = "sglang.srt.mem_cache.kv_cache_configurator"
+MP = "sglang.srt.mem_cache.memory_pool"
+ALLOC = "sglang.srt.mem_cache.allocator"
+BASE = "sglang.srt.mem_cache.allocator.base"
+TOKEN = "sglang.srt.mem_cache.allocator.token"
+PAGED = "sglang.srt.mem_cache.allocator.paged"
+SWA = "sglang.srt.mem_cache.allocator.swa"
+BPC = "sglang.srt.mem_cache.base_prefix_cache"
+POLICY = "sglang.srt.managers.schedule_policy"
+BATCH = "sglang.srt.managers.schedule_batch"
+SCHED = "sglang.srt.managers.scheduler"
+BUDGET = "sglang.srt.mem_cache.prefill_budget"
+
+FROM_0519 = VersionRange.parse(">=0.5.19,<0.6")
+FROM_0521 = VersionRange.parse(">=0.5.21,<0.6")
+FROM_0516 = VersionRange.parse(">=0.5.16,<0.6")
+
+# Where the paged module imports its Triton kernels from (moved in 0.5.16).
+KERNEL_MODULES = ("sglang.srt.mem_cache.triton_ops.allocator", "sglang.kernels.ops.memory.allocator")
+
+Item = Tuple[str, Check, Optional[VersionRange]]
+
+
+def item(label: str, check: Check, when: Optional[VersionRange] = None) -> Item:
+    return (label, check, when)
+
+
+def _conflict_fields() -> Check:
+    # The flags conflicts.server_args_conflicts reads without a default that would hide
+    # a rename (the newer flags it reads with getattr defaults are optional).
+    return fields_declared(
+        SA,
+        "ServerArgs",
+        ["enable_memory_saver", "speculative_algorithm", "disaggregation_mode", "enable_hierarchical_cache"],
+        "sglang.srt.arg_groups.fields",
+    )
+
+
+def _builds_allocators(mod: str, qual: str) -> Check:
+    return all_of(
+        module_binds(mod, "TokenToKVPoolAllocator", ALLOC),
+        module_binds(mod, "PagedTokenToKVPoolAllocator", ALLOC),
+        calls_in(mod, qual, "TokenToKVPoolAllocator"),
+        calls_in(mod, qual, "PagedTokenToKVPoolAllocator"),
+        names_not_compared(mod, ["TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"]),
+    )
+
+
+def _builds_pools(mod: str, qual: str) -> Check:
+    return all_of(
+        module_binds(mod, "MHATokenToKVPool", MP),
+        module_binds(mod, "MLATokenToKVPool", MP),
+        uses_name(mod, qual, "MHATokenToKVPool"),
+        uses_name(mod, qual, "MLATokenToKVPool"),
+        names_not_compared(mod, ["MHATokenToKVPool", "MLATokenToKVPool"]),
+    )
+
+
+PATCHES: Dict[str, List[Item]] = {
+    "sglang-conflicts-post-init": [
+        item("ServerArgs.__post_init__(self) validates", signature(SA, "ServerArgs.__post_init__", exactly=("self",))),
+        item(
+            "ServerArgs has no resolve_once (validation is __post_init__)",
+            lambda tree: _absent(tree, SA, "ServerArgs.resolve_once"),
+        ),
+        item("conflict flags", _conflict_fields()),
+    ],
+    "sglang-conflicts": [
+        item("ServerArgs.resolve_once(self)", signature(SA, "ServerArgs.resolve_once", exactly=("self",))),
+        item("launch_server resolves once", calls_in("sglang.launch_server", "run_server", ".resolve_once")),
+        item("conflict flags", _conflict_fields()),
+    ],
+    "sglang-capacity-0.5.15": [
+        item(
+            "ModelRunnerKVCacheMixin._profile_available_bytes(self, pre_model_load_memory)",
+            signature(MIXIN, "ModelRunnerKVCacheMixin._profile_available_bytes", has=("self", "pre_model_load_memory")),
+        ),
+        item(
+            "the mixin profiles through it",
+            calls_in(MIXIN, "ModelRunnerKVCacheMixin._resolve_memory_pool_config", "._profile_available_bytes"),
+        ),
+        item("ModelRunner.device", sets_attrs(RUNNER, "ModelRunner", ["device"])),
+    ],
+    "sglang-capacity": [
+        item(
+            "KVCacheConfigurator._profile_available_bytes(self, pre_model_load_memory)",
+            signature(KCC, "KVCacheConfigurator._profile_available_bytes", exactly=("self", "pre_model_load_memory")),
+        ),
+        item(
+            "the configurator profiles through it",
+            calls_in(KCC, "KVCacheConfigurator._resolve_memory_pool_config", "._profile_available_bytes"),
+        ),
+        item("KVCacheConfigurator.device", sets_attrs(KCC, "KVCacheConfigurator", ["device"])),
+    ],
+    "sglang-pool-names-0.5.15": [
+        item(
+            "the runner builds pools by module-level name", _builds_pools(MIXIN, "ModelRunnerKVCacheMixin._init_pools")
+        ),
+    ],
+    "sglang-pool-names": [
+        item("the configurator builds pools by module-level name", _builds_pools(KCC, "KVCacheConfigurator")),
+        item(
+            "no pool class resolver yet (the names are what it builds)",
+            lambda tree: _absent(tree, KCC, "KVCacheConfigurator._resolve_kv_pool_class"),
+        ),
+    ],
+    "sglang-pools": [
+        item(
+            "KVCacheConfigurator._resolve_kv_pool_class(self, *, kind, default)",
+            signature(KCC, "KVCacheConfigurator._resolve_kv_pool_class", has=("kind", "default")),
+        ),
+        item(
+            "SGLang's pool classes",
+            all_of(module_binds(KCC, "MHATokenToKVPool", MP), module_binds(KCC, "MLATokenToKVPool", MP)),
+        ),
+        item(
+            "the MHA pool class is resolved",
+            calls_in(
+                KCC,
+                "KVCacheConfigurator._build_token_to_kv_pool",
+                "._resolve_kv_pool_class",
+                keywords=("kind", "default"),
+            ),
+        ),
+    ],
+    "sglang-pool-buffers-0.5.15": [
+        item(
+            "MHATokenToKVPool._create_buffers builds buffers and pointer tables in one method",
+            lambda tree: _stores(
+                tree, MP, "MHATokenToKVPool._create_buffers", ["k_buffer", "k_data_ptrs", "data_ptrs", "data_strides"]
+            ),
+        ),
+        item(
+            "no _create_buffers_normal to override",
+            lambda tree: _absent(tree, MP, "MHATokenToKVPool._create_buffers_normal"),
+        ),
+    ],
+    "sglang-allocators-0.5.15": [
+        item(
+            "the runner builds allocators by module-level name",
+            _builds_allocators(MIXIN, "ModelRunnerKVCacheMixin._init_pools"),
+        ),
+        item(
+            "ModelRunnerKVCacheMixin._init_pools(self) sets the pool and allocator",
+            all_of(
+                signature(MIXIN, "ModelRunnerKVCacheMixin._init_pools", exactly=("self",)),
+                lambda tree: _stores(
+                    tree,
+                    MIXIN,
+                    "ModelRunnerKVCacheMixin._init_pools",
+                    ["token_to_kv_pool", "token_to_kv_pool_allocator"],
+                ),
+            ),
+        ),
+        item("ModelRunner.is_draft_worker", sets_attrs(RUNNER, "ModelRunner", ["is_draft_worker"])),
+    ],
+    "sglang-allocators": [
+        item(
+            "the configurator builds allocators by module-level name",
+            _builds_allocators(KCC, "KVCacheConfigurator._build_token_to_kv_pool_allocator"),
+        ),
+        item(
+            "_build_token_to_kv_pool_allocator(self, *, token_to_kv_pool, token_to_kv_pool_allocator, ...)",
+            signature(
+                KCC,
+                "KVCacheConfigurator._build_token_to_kv_pool_allocator",
+                has=("token_to_kv_pool", "token_to_kv_pool_allocator"),
+            ),
+        ),
+        item(
+            "_init_pools passes both by keyword",
+            calls_in(
+                KCC,
+                "KVCacheConfigurator._init_pools",
+                "._build_token_to_kv_pool_allocator",
+                keywords=("token_to_kv_pool", "token_to_kv_pool_allocator"),
+            ),
+        ),
+    ],
+    "sglang-swa-builder": [
+        item(
+            "the configurator builds the SWA composite by module-level name",
+            all_of(
+                module_binds(KCC, "SWATokenToKVPoolAllocator", SWA),
+                calls_in(KCC, "KVCacheConfigurator._build_token_to_kv_pool_allocator", "SWATokenToKVPoolAllocator"),
+            ),
+        ),
+    ],
+    "sglang-swa-allocators": [
+        item(
+            "the composite builds its sub-allocators by module-level name",
+            all_of(
+                module_binds(SWA, "TokenToKVPoolAllocator", TOKEN),
+                module_binds(SWA, "PagedTokenToKVPoolAllocator", PAGED),
+                uses_name(SWA, "SWATokenToKVPoolAllocator.__init__", "PagedTokenToKVPoolAllocator"),
+                names_not_compared(SWA, ["TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"]),
+            ),
+        ),
+        item(
+            "SWATokenToKVPoolAllocator state and helpers ElasticSWATokenToKVPoolAllocator uses",
+            all_of(
+                sets_attrs(
+                    SWA, "SWATokenToKVPoolAllocator", ["full_attn_allocator", "swa_attn_allocator", "_swa_req_ring"]
+                ),
+                has_methods(
+                    SWA,
+                    "SWATokenToKVPoolAllocator",
+                    ["full_available_size", "swa_available_size", "set_full_to_swa_mapping", "new_pages_available"],
+                ),
+            ),
+        ),
+        item(
+            "ElasticSWATokenToKVPoolAllocator overrides take SGLang's parameters",
+            overrides_match(
+                SWA, "SWATokenToKVPoolAllocator", OURS / "swa_allocator.py", "ElasticSWATokenToKVPoolAllocator"
+            ),
+        ),
+        item(
+            "SWAPrefillBudget (ElasticSWAPrefillBudget)",
+            all_of(
+                has_methods(BUDGET, "SWAPrefillBudget", ["_available_and_evictable", "remaining_swa"]),
+                sets_attrs(BUDGET, "SWAPrefillBudget", ["all_swa", "req_ring", "swa_offset"], bases_in=(BUDGET,)),
+            ),
+        ),
+    ],
+    "sglang-prefill-adder": [
+        item(
+            "PrefillAdder.rem_total_tokens / cur_rem_tokens are properties over available_size()",
+            all_of(
+                is_property(POLICY, "PrefillAdder", "rem_total_tokens"),
+                is_property(POLICY, "PrefillAdder", "cur_rem_tokens"),
+                mentions(POLICY, "PrefillAdder.rem_total_tokens", "available_size"),
+                mentions(POLICY, "PrefillAdder.cur_rem_tokens", "available_size"),
+            ),
+        ),
+        item(
+            "PrefillAdder.token_to_kv_pool_allocator",
+            sets_attrs(POLICY, "PrefillAdder", ["token_to_kv_pool_allocator"]),
+        ),
+    ],
+    "sglang-check-decode-mem": [
+        item(
+            "ScheduleBatch.check_decode_mem(self, selected_indices) compares available_size()",
+            all_of(
+                signature(BATCH, "ScheduleBatch.check_decode_mem", exactly=("self", "selected_indices")),
+                calls_in(BATCH, "ScheduleBatch.check_decode_mem", ".new_tokens_required_next_decode"),
+                mentions(BATCH, "ScheduleBatch.check_decode_mem", "available_size"),
+            ),
+        ),
+        item(
+            "ScheduleBatch.token_to_kv_pool_allocator / tree_cache",
+            sets_attrs(BATCH, "ScheduleBatch", ["token_to_kv_pool_allocator", "tree_cache"]),
+        ),
+    ],
+    "sglang-scheduler": [
+        item(
+            "Scheduler event methods",
+            all_of(
+                has_methods(SCHED, "Scheduler", ["__init__", "run_batch", "on_idle"]),
+                signature(SCHED, "Scheduler.process_batch_result", has=("self", "batch", "result")),
+                signature(SCHED, "Scheduler.flush_cache", has=("self",)),
+            ),
+        ),
+        item(
+            "Scheduler state the hooks read",
+            sets_attrs(
+                SCHED,
+                "Scheduler",
+                ["tree_cache", "token_to_kv_pool_allocator", "waiting_queue", "last_batch", "max_total_num_tokens"],
+            ),
+        ),
+        item("kvcached_report runs through collective_rpc", calls_in(SCHED, "Scheduler.handle_rpc_request", "getattr")),
+    ],
+}
+
+
+def _absent(tree: Tree, mod: str, qual: str) -> Finding:
+    m = tree.module(mod)
+    if m is None:
+        return Finding(False, tree.rel(mod), f"module {mod} does not exist")
+    fn = m.function(qual)
+    return Finding(fn is None, m.at(fn["line"]) if fn else m.rel, f"{qual} {'exists' if fn else 'is absent'}")
+
+
+def _stores(tree: Tree, mod: str, qual: str, attrs: List[str]) -> Finding:
+    m = tree.module(mod)
+    if m is None:
+        return Finding(False, tree.rel(mod), f"module {mod} does not exist")
+    fn = m.function(qual)
+    if fn is None:
+        return Finding(False, m.rel, f"{qual} is not defined here")
+    missing = [a for a in attrs if a not in fn["self_stores"]]
+    found = ", ".join(a for a in attrs if a not in missing)
+    return Finding(
+        not missing, m.at(fn["line"]), f"{qual} sets {found}" + (f"; not {', '.join(missing)}" if missing else "")
+    )
+
+
+_RELEASE = ("free", "_release", "clear", "alloc")
+
+CLASSES: Dict[str, List[Item]] = {
+    "elastic-pools": [
+        item(
+            "MHATokenToKVPool fields the elastic pool reads",
+            sets_attrs(
+                MP,
+                "MHATokenToKVPool",
+                ["size", "page_size", "head_num", "head_dim", "v_head_dim", "layer_num", "device", "store_dtype"]
+                + ["kv_cache_layout"],
+                bases_in=(MP,),
+            ),
+        ),
+        item(
+            "MHATokenToKVPool.__init__ calls _create_buffers",
+            calls_in(MP, "MHATokenToKVPool.__init__", "._create_buffers"),
+        ),
+        item(
+            "from 0.5.16 _create_buffers carves the plain layout in _create_buffers_normal",
+            calls_in(MP, "MHATokenToKVPool._create_buffers", "._create_buffers_normal"),
+            FROM_0516,
+        ),
+        item(
+            "MLATokenToKVPool: kv_buffer made in _create_buffers from kv_cache_dim",
+            all_of(
+                lambda tree: _stores(tree, MP, "MLATokenToKVPool._create_buffers", ["kv_buffer"]),
+                sets_attrs(MP, "MLATokenToKVPool", ["kv_cache_dim"]),
+                calls_in(MP, "MLATokenToKVPool.__init__", "._create_buffers"),
+            ),
+        ),
+    ],
+    "elastic-allocators": [
+        item(
+            "TokenToKVPoolAllocator.__init__(size, dtype, device, kvcache, need_sort)",
+            signature(
+                TOKEN,
+                "TokenToKVPoolAllocator.__init__",
+                exactly=("self", "size", "dtype", "device", "kvcache", "need_sort"),
+            ),
+        ),
+        item(
+            "PagedTokenToKVPoolAllocator.__init__(size, page_size, dtype, device, kvcache, need_sort)",
+            signature(
+                PAGED,
+                "PagedTokenToKVPoolAllocator.__init__",
+                exactly=("self", "size", "page_size", "dtype", "device", "kvcache", "need_sort"),
+            ),
+        ),
+        item(
+            "our overrides take SGLang's parameters",
+            all_of(
+                overrides_match(BASE, "BaseTokenToKVPoolAllocator", OURS / "allocator.py", "_ElasticAllocatorMixin"),
+                overrides_match(
+                    TOKEN, "TokenToKVPoolAllocator", OURS / "allocator.py", "ElasticTokenToKVPoolAllocator"
+                ),
+                overrides_match(
+                    PAGED, "PagedTokenToKVPoolAllocator", OURS / "allocator.py", "ElasticPagedTokenToKVPoolAllocator"
+                ),
+            ),
+        ),
+        item(
+            "every release, clear and alloc path of SGLang's allocators is ours",
+            all_of(
+                release_paths_covered(
+                    [(TOKEN, "TokenToKVPoolAllocator"), (BASE, "BaseTokenToKVPoolAllocator")],
+                    OURS / "allocator.py",
+                    ["_ElasticAllocatorMixin", "ElasticTokenToKVPoolAllocator"],
+                    _RELEASE,
+                ),
+                release_paths_covered(
+                    [(PAGED, "PagedTokenToKVPoolAllocator"), (BASE, "BaseTokenToKVPoolAllocator")],
+                    OURS / "allocator.py",
+                    ["_ElasticAllocatorMixin", "ElasticPagedTokenToKVPoolAllocator"],
+                    _RELEASE,
+                ),
+            ),
+        ),
+        item(
+            "slot placement: Triton kernels and the torch extend fallback in the paged module",
+            all_of(
+                *(
+                    any_of(*(module_binds(PAGED, kernel, src) for src in KERNEL_MODULES))
+                    for kernel in ("alloc_extend_kernel", "alloc_decode_kernel")
+                ),
+                signature(
+                    PAGED,
+                    "alloc_extend_naive",
+                    exactly=("prefix_lens", "seq_lens", "last_loc", "free_pages", "out_indices", "page_size", "device"),
+                ),
+            ),
+        ),
+        item(
+            "get_num_new_pages(seq_lens, page_size, prefix_lens, decode), next_power_of_2",
+            all_of(
+                signature(
+                    "sglang.srt.utils.common",
+                    "get_num_new_pages",
+                    has=("seq_lens", "page_size", "prefix_lens", "decode"),
+                ),
+                defines("sglang.srt.utils.common", "next_power_of_2"),
+            ),
+        ),
+        item(
+            "from 0.5.19 the decode check asks the allocator",
+            all_of(
+                calls_in(
+                    BATCH,
+                    "ScheduleBatch.check_decode_mem",
+                    ".check_decode_capacity",
+                    keywords=("num_tokens", "tree_cache"),
+                ),
+                has_methods(BASE, "BaseTokenToKVPoolAllocator", ["check_decode_capacity", "evict_to_free_tokens"]),
+            ),
+            FROM_0519,
+        ),
+        item(
+            "from 0.5.21 prefill admission asks the allocator for a budget",
+            all_of(
+                calls_in(POLICY, "PrefillAdder.__init__", ".create_prefill_budget"),
+                signature(
+                    BASE,
+                    "BaseTokenToKVPoolAllocator.create_prefill_budget",
+                    has=("tree_cache", "num_mixed_decode_tokens"),
+                ),
+                overrides_match(BUDGET, "PrefillBudget", OURS / "prefill_budget.py", "ElasticPrefillBudget"),
+                sets_attrs(BUDGET, "PrefillBudget", ["allocator", "tree_cache"]),
+            ),
+            FROM_0521,
+        ),
+    ],
+    "prefix-cache": [
+        item(
+            "EvictParams(num_tokens) / EvictResult.num_tokens_evicted",
+            all_of(
+                sets_attrs(BPC, "EvictParams", ["num_tokens"]),
+                sets_attrs(BPC, "EvictResult", ["num_tokens_evicted"]),
+            ),
+        ),
+        item(
+            "BasePrefixCache.evict(params), evictable_size, protected_size",
+            all_of(
+                signature(BPC, "BasePrefixCache.evict", exactly=("self", "params")),
+                has_methods(BPC, "BasePrefixCache", ["evictable_size", "protected_size"]),
+            ),
+        ),
+        item(
+            "a cache says whether it shares prefixes",
+            any_of(
+                has_methods(BPC, "BasePrefixCache", ["supports_prefix_sharing"]),
+                has_methods(BPC, "BasePrefixCache", ["is_chunk_cache"]),
+            ),
+        ),
+    ],
+    "activation": [
+        item("sglang.__version__", module_binds("sglang", "__version__", "sglang.version")),
+        item(
+            "entry-point group sglang.srt.plugins",
+            constant("sglang.srt.plugins", "GENERAL_PLUGINS_GROUP", "sglang.srt.plugins"),
+        ),
+        item("the scheduler process loads plugins", calls_in(SCHED, "run_scheduler_process", "load_plugins")),
+    ],
+}
+
+
+# ----------------------------------------------------------------- sources
+
+# Every release of the supported range, newest patch of 0.5.15 too (pip index versions sglang).
+VERSIONS = ["0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
+
+_engine_sources = None
+_trees: Dict[str, Tree] = {}
+
+
+def engine_sources():
+    global _engine_sources
+    if _engine_sources is None:
+        spec = importlib.util.spec_from_file_location("engine_sources", ROOT / "scripts" / "engine_sources.py")
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        _engine_sources = mod
+    return _engine_sources
+
+
+def tree_of(version: str, download: Optional[bool] = None) -> Tree:
+    """The parsed source tree of SGLang ``version``; skips the test when it is not cached."""
+    if version in _trees:
+        return _trees[version]
+    es = engine_sources()
+    if download is None:
+        download = os.environ.get("KVCACHED_REQUIRE_SEAM_SOURCES") == "1"
+    try:
+        root = es.ensure_source("sglang", version, download=download)
+    except es.SourceUnavailable as e:
+        pytest.skip(
+            f"SGLang {version} source not cached ({e}); "
+            f"python scripts/engine_sources.py sglang {version}, or KVCACHED_REQUIRE_SEAM_SOURCES=1"
+        )
+    _trees[version] = Tree(root, "sglang")
+    return _trees[version]
+
+
+def run_items(items: List[Item], tree: Tree, version: str) -> List[Tuple[str, Finding]]:
+    v = parse_version(version)
+    return [(label, check(tree)) for label, check, when in items if when is None or v in when]
+
+
+# ------------------------------------------------------------------- tests
+
+
+def _patches():
+    from kvcached.integration.sglang.patches import all_patches
+
+    return all_patches()
+
+
+def _known_breaks() -> Dict[Tuple[str, str], str]:
+    from kvcached.integration.sglang.patches import KNOWN_BREAKS
+
+    return KNOWN_BREAKS
+
+
+def _patch_cases():
+    cases = []
+    for p in _patches():
+        for v in VERSIONS:
+            in_range = parse_version(v) in p.versions
+            why = _known_breaks().get((p.name, v))
+            marks = [pytest.mark.xfail(strict=True, reason=why)] if why and not in_range else []
+            cases.append(pytest.param(p.name, v, in_range, id=f"{p.name}-{v}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("patch_name,version,in_range", _patch_cases())
+def test_seam_contract(patch_name: str, version: str, in_range: bool) -> None:
+    findings = run_items(PATCHES[patch_name], tree_of(version), version)
+    bad = [f"{label}: {f}" for label, f in findings if not f.ok]
+    state = "claimed" if in_range else "not claimed"
+    assert not bad, f"SGLang {version} ({state} by {patch_name}):\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize("group", sorted(CLASSES))
+@pytest.mark.parametrize("version", VERSIONS)
+def test_version_neutral_contract(group: str, version: str) -> None:
+    bad = [f"{label}: {f}" for label, f in run_items(CLASSES[group], tree_of(version), version) if not f.ok]
+    assert not bad, f"SGLang {version} ({group}):\n  " + "\n  ".join(bad)
+
+
+def test_every_patch_has_a_contract() -> None:
+    missing = [p.name for p in _patches() if p.name not in PATCHES]
+    assert not missing, f"patches with no seam contract in tests/contracts/test_sglang_seams.py: {missing}"
+    stale = sorted(set(PATCHES) - {p.name for p in _patches()})
+    assert not stale, f"contracts for patches that no longer exist: {stale}"
+
+
+def test_known_breaks_cover_exactly_the_checked_versions() -> None:
+    from kvcached.integration.sglang.patches import CHECKED_VERSIONS, SUPPORTED
+
+    assert tuple(VERSIONS) == CHECKED_VERSIONS
+    assert all(parse_version(v) in SUPPORTED for v in VERSIONS)
+    assert {v for _, v in _known_breaks()} <= set(VERSIONS)
+    ranges = {p.name: p.versions for p in _patches()}
+    assert {p for p, _ in _known_breaks()} <= set(ranges), "KNOWN_BREAKS names patches that no longer exist"
+    claimed = sorted((p, v) for p, v in _known_breaks() if parse_version(v) in ranges[p])
+    assert not claimed, f"KNOWN_BREAKS entries inside the patch's own range: {claimed}"
+
+
+# ------------------------------------------------------------------- table
+
+
+def main() -> int:
+    download = "--download" in sys.argv
+    verbose = "-v" in sys.argv
+    groups = [(p.name, p.versions, PATCHES[p.name]) for p in _patches()]
+    groups += [(g, None, items) for g, items in sorted(CLASSES.items())]
+    for name, versions, items in groups:
+        print(f"## {name}" + (f" (claims {versions})" if versions else " (version-neutral)"))
+        for v in VERSIONS:
+            try:
+                tree = tree_of(v, download=download)
+            except BaseException as e:  # pytest.skip outside pytest
+                print(f"  {v}: source not cached ({e})")
+                continue
+            findings = run_items(items, tree, v)
+            bad = [(label, f) for label, f in findings if not f.ok]
+            mark = "" if versions is None else (" [in range]" if parse_version(v) in versions else " [outside]")
+            print(f"  {v}{mark} {'OK' if not bad else 'BROKEN'}")
+            for label, f in findings if verbose else bad:
+                print(f"      {label}: {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
