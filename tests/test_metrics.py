@@ -309,3 +309,19 @@ def test_docs_and_dashboard_use_exactly_the_exported_names(prefix, pair):
         dash = json.load(f)
     used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"kvcached_[a-z_]+", t["expr"])}
     assert used and used <= exported, used - exported
+
+
+def test_a_guarded_collector_never_fails_the_scrape_it_joins():
+    """In an engine's /metrics a failing read of the records yields no kvcached
+    series (logged once) instead of failing the engine's own; the exporter's
+    unguarded collector raises."""
+    from kvcached.metrics.collector import KvcachedCollector
+
+    def broken():
+        raise OSError("records unreadable")
+
+    guarded, bare = KvcachedCollector(guarded=True), KvcachedCollector()
+    guarded._records = bare._records = broken  # the failure that cannot be caused for real here
+    assert list(guarded.collect()) == [] and list(guarded.collect()) == []
+    with pytest.raises(OSError):
+        list(bare.collect())

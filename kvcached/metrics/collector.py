@@ -8,6 +8,7 @@ Every metric and its meaning: docs/OBSERVABILITY.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -51,14 +52,32 @@ class KvcachedCollector(Collector):
     names starting with it (a budget scope).
     """
 
-    def __init__(self, select: Optional[Callable[[str], bool]] = None, prefix: str = "") -> None:
+    def __init__(self, select: Optional[Callable[[str], bool]] = None, prefix: str = "", guarded: bool = False) -> None:
+        """``guarded``: a failing collection yields nothing (logged once) instead of
+        raising, for registries that also serve an engine's own series."""
         self._select = select
         self._prefix = prefix
+        self._guarded = guarded
+        self._warned = False
 
     def _records(self) -> List[RecordView]:
         return [r for r in list_records() if r.name.startswith(self._prefix)]
 
     def collect(self) -> Iterator[Metric]:
+        if not self._guarded:
+            yield from self._collect()
+            return
+        # In an engine's /metrics: a failure here must not fail the engine's own series.
+        try:
+            families = list(self._collect())
+        except Exception as e:  # noqa: BLE001 - logged once; the scrape goes on without ours
+            if not self._warned:
+                self._warned = True
+                logging.getLogger(__name__).warning("kvcached: metrics not collected (%s: %s)", type(e).__name__, e)
+            return
+        yield from families
+
+    def _collect(self) -> Iterator[Metric]:
         now = time.time_ns()
         uid = os.geteuid()
         records = self._records()

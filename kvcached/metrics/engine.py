@@ -70,7 +70,16 @@ def register_engine_collector(engine: str, registry: Any = None) -> Optional[Kvc
     with _lock:
         if _collector is None:
             base = naming.instance_name(engine)
-            _collector = KvcachedCollector(select=functools.partial(naming.belongs_to, base))
+            _collector = KvcachedCollector(select=functools.partial(naming.belongs_to, base), guarded=True)
             _hook_multiprocess(_collector)
         _register(REGISTRY if registry is None else registry, _collector)
         return _collector
+
+
+def register_engine_collector_quietly(engine: str) -> None:
+    """``register_engine_collector`` for an engine's activation: a failure is
+    logged once and never raised (metrics must not stop an engine)."""
+    try:
+        register_engine_collector(engine)
+    except Exception as e:  # noqa: BLE001 - any failure: the engine serves without these series
+        logger.warning("kvcached: no kvcached series in the engine's /metrics (%s: %s)", type(e).__name__, e)

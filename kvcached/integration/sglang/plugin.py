@@ -82,6 +82,10 @@ def activate(source: str = "autopatch") -> None:
         # One clear line, and stop: running SGLang unpatched while the user
         # asked for kvcached would silently use static memory.
         raise SystemExit(f"kvcached: {e}") from None
+    # kvcached_* series in SGLang's own /metrics (its per-app multiprocess registry).
+    from kvcached.metrics.engine import register_engine_collector_quietly
+
+    register_engine_collector_quietly("sglang")
     if m.activated_via is None:
         m.activated_via = source
         logger.info(

@@ -81,6 +81,10 @@ def activate() -> None:
         return
     name = ensure_instance_name()
     _activate_patches(manager())
+    # kvcached_* series in this engine's own /metrics (every process: extra API servers serve it too).
+    from kvcached.metrics.engine import register_engine_collector_quietly
+
+    register_engine_collector_quietly("vllm")
     with _lock:
         if not _cleanup_registered and multiprocessing.parent_process() is None:
             # The process that starts the engine outlives its EngineCore and

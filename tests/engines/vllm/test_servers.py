@@ -79,6 +79,21 @@ def test_server_greedy_tokens_identical_to_vllm_without_kvcached(servers, native
     assert got == native_run["tokens1"]
 
 
+def test_the_engines_own_metrics_endpoint_serves_its_kvcached_series(servers):
+    """vLLM's /metrics carries kvcached_* of this engine's instance (and not its
+    peer's), with the record's numbers: an existing scrape config needs no change."""
+    import urllib.request
+
+    s1, s2 = servers["s1"], servers["s2"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{s1.port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    mine = [ln for ln in text.splitlines() if ln.startswith("kvcached_limit_bytes{") and f'name="{s1.name}"' in ln]
+    assert mine, "no kvcached series in vLLM's /metrics"
+    assert float(mine[0].rsplit(" ", 1)[1]) == h.read_record(s1.name)["limit"]
+    assert f'name="{s2.name}"' not in text  # another engine's instance is its own /metrics' business
+    assert "kvcached_device_budget_bytes{" in text
+
+
 def test_capped_engine_preempts_and_completes_instead_of_crashing(servers, native_run):
     s1, s2 = servers["s1"], servers["s2"]
     r = h.kvctl("limit", s2.name, "1M")
