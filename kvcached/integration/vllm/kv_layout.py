@@ -101,8 +101,8 @@ class KVLayoutPlan:
 
     @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any, page_size: int) -> KVLayoutPlan:
-        """The plan of a vLLM ``KVCacheConfig``, its tensors read by ``tensor_reader``
-        (which vLLM's ``KVCacheTensor`` shape: set per version by ``versions.py``)."""
+        """The plan of a vLLM ``KVCacheConfig``; its tensors are read by ``tensor_reader``
+        (one reader per shape of vLLM's ``KVCacheTensor``, picked per version by ``versions.py``)."""
         tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
         if not tensors:
             raise InvalidArgumentError("kvcached: this model has no KV cache tensors; unset ENABLE_KVCACHED")
