@@ -158,6 +158,24 @@ def test_want_is_withdrawn_by_a_step_without_shortage(host_plane, prefix, monkey
     m.shutdown()
 
 
+def test_a_shortage_asks_for_the_pages_of_the_tokens_the_request_needs(host_plane, prefix, monkeypatch):
+    # An engine stops admitting a request of several pages while one more page
+    # would still fit: a want of one page would never be published.
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "64M")
+    m = _manager(own_segment=True, pool_name=prefix + "n")
+    asked = []
+    m.limits.note_shortage = lambda need=0: asked.append(need) or False  # noqa: E731
+    pool = ElasticPool(m)
+    inst = ElasticInstance("n", [pool])
+    tokens_per_page = m.page_size // m.cell_size  # 64: 4 blocks of 16 tokens
+    inst.note_shortage(2 * tokens_per_page + 1)
+    inst.note_shortage(tokens_per_page)
+    inst.note_shortage()  # unknown need: the limits' default, one page
+    assert asked == [3 * pool.bytes_per_page, pool.bytes_per_page, 0]
+    inst.close()
+    m.shutdown()
+
+
 @pytest.mark.parametrize(
     "cached, evictable, bound, excess",
     [(100, 100, None, 0), (100, 100, 100, 0), (101, 101, 100, 11), (150, 20, 100, 20), (5, 5, 0, 5)],

@@ -73,11 +73,12 @@ class ElasticInstance:
 
     # ---- wants ------------------------------------------------------------------
 
-    def note_shortage(self) -> None:
-        """A request could not get memory in this step: tell peers if the budget is why."""
+    def note_shortage(self, need_tokens: int = 0) -> None:
+        """A request needing ``need_tokens`` more tokens (0: one page) could not get
+        memory in this step: tell peers if the budget is why."""
         self._missed_in_step = True
         for p in self.pools:
-            p.note_shortage()
+            p.note_shortage(need_tokens)
 
     def end_step(self) -> None:
         """After each step: a step without a shortage withdraws the want, so idle peers keep their cache."""

@@ -71,9 +71,17 @@ class ElasticPool:
         budget = None if self.limits is None else self.limits.budget
         return [] if budget is None else [r.name for r in budget.wanting(exclude=self.limits.name)]
 
-    def note_shortage(self) -> None:
-        if self.limits is not None:
-            self.limits.note_shortage()
+    def note_shortage(self, need_tokens: int = 0) -> None:
+        """A request needing ``need_tokens`` more tokens (0: one page) was not placed.
+        The need must be the request's, not one page: an engine stops admitting a
+        request that needs several pages while one more page would still fit, and
+        a want of one page would then never be published."""
+        if self.limits is None:
+            return
+        cell = int(getattr(self.manager, "cell_size", 0) or 0)
+        tokens_per_page = max(1, int(self.manager.page_size) // cell) if cell > 0 else 1
+        pages = -(-max(0, int(need_tokens)) // tokens_per_page)
+        self.limits.note_shortage(pages * self.bytes_per_page)
 
     def clear_want(self) -> None:
         if self.limits is not None:

@@ -119,12 +119,24 @@ def note_waiting(scheduler: Any) -> bool:
     """Requests wait: the pools' limits publish a want when the device budget
     is what stops them (rate-limited there); none wait: the want is withdrawn.
     Returns whether requests wait."""
-    waiting = bool(len(getattr(scheduler, "waiting_queue", None) or ()))
+    queue = getattr(scheduler, "waiting_queue", None) or ()
+    waiting = bool(len(queue))
     inst = instance()
     if waiting:
-        inst.note_shortage()
+        inst.note_shortage(_tokens_needed(queue[0]))
     inst.end_step()
     return waiting
+
+
+def _tokens_needed(req: Any) -> int:
+    """What the head of the queue needs to run to its end: its prompt and output left.
+    (SGLang admits a request only when that fits, scaled by its new-token ratio.)"""
+    try:
+        done = len(req.origin_input_ids) + len(req.output_ids)
+        left = int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
+        return done + max(0, left)
+    except (AttributeError, TypeError):
+        return 0  # an unexpected request: one page
 
 
 def give_back_to_peers(tree_cache: Any) -> int:

@@ -158,7 +158,9 @@ def patch_kv_cache_manager_module(module: ModuleType) -> None:
                 logger.debug("kvcached: allocation of %s rolled back: %s", rid, e)
                 out = None
             if out is None:
-                self.block_pool.backend.instance.note_shortage()
+                # The tokens this step tried to place (allocate_slots' num_new_tokens, every version).
+                need = args[0] if args else kwargs.get("num_new_tokens", 0)
+                self.block_pool.backend.instance.note_shortage(int(need or 0))
             return out
 
         return allocate_slots
