@@ -132,6 +132,10 @@ def test_prefixes_evicted_under_a_small_limit_are_recomputed_with_the_same_token
     assert max(h.mapped(s[s2.name]) for s in sampler.samples if s.get(s2.name)) <= CAP
 
 
+def _running(srv: h.Server) -> float:
+    return h.metrics(srv).get("vllm:num_requests_running", 0)
+
+
 def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_request_completes(servers, native_run):
     from kvcached.control import set_instance_memory_limit
 
@@ -141,19 +145,26 @@ def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_requ
     with h.Sampler([s2.name], workers=False, period=0.005) as sampler:
         with ThreadPoolExecutor(1) as ex:
             fut = ex.submit(_run_all, s2, h.grow_prompts(), h.GROW_DECODE)
-            # Every request prefilled (its first block held): 4 pages + the null
-            # page. Each needs its second block only ~100 decode steps later.
+            # Every request running (its first block held: 4 pages + the null page;
+            # pages of cached blocks alone may map that much before any runs). Each
+            # needs its second block only ~100 decode steps later. Lowered before they
+            # all run, vLLM would admit only what fits and never preempt.
             deadline = time.monotonic() + 120
-            while h.mapped(h.read_record(s2.name)) < 5 * h.BPP and not fut.done() and time.monotonic() < deadline:
-                time.sleep(0.002)
+            while not fut.done() and time.monotonic() < deadline:
+                if h.mapped(h.read_record(s2.name)) >= 5 * h.BPP and _running(s2) >= 8:
+                    break
+                time.sleep(0.01)
             t_drop = time.monotonic()
+            pages = h.mapped(h.read_record(s2.name)) / h.BPP
+            at_drop = f"{pages:.1f} pages mapped, {_running(s2):.0f} running, load done: {fut.done()}"
             r = set_instance_memory_limit(CAP, name=s2.name, wait_s=0)  # in-process: no interpreter start
             assert r.status in ("applied", "deferred"), r.message
             got = fut.result()
             t_done = time.monotonic()
     assert got == native_run["tokensD"]  # no request failed; preempted ones recomputed the same tokens
-    assert h.metrics(s2).get("vllm:num_preemptions_total", 0) > preempted
     during = [h.mapped(s[s2.name]) for s in sampler.samples if t_drop < s["t"] < t_done and s.get(s2.name)]
+    seen = f"at the drop: {at_drop}; pages after it: {sorted(set(m // h.BPP for m in during))}"
+    assert h.metrics(s2).get("vllm:num_preemptions_total", 0) > preempted, seen
     assert during and max(during) > CAP  # it was over the new limit when it was lowered ...
     assert min(during) <= CAP  # ... and got under it while its requests still decoded
     # Raised again: the same load grows past the old limit.
