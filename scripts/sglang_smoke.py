@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Offline smoke test of SGLang 0.5.23 on the CPU (no kvcached involved).
+"""Offline smoke test of SGLang on the CPU (no kvcached involved): 0.5.22+, since older
+releases place paged slots (``page_size`` 16) with Triton only and cannot run paged on a CPU.
 
-Run with the venv made by ``scripts/setup_sglang_venv.sh``::
+Run with a venv made by ``scripts/setup_sglang_venv.sh``::
 
-    /work/venvs/sglang/bin/python scripts/sglang_smoke.py [--skip-engine] [--skip-server]
+    .venvs/sglang/bin/python scripts/sglang_smoke.py [--skip-engine] [--skip-server]
 
 What it proves:
   * ``sglang.Engine`` runs a tiny random Llama (built by ``kvcached/testing/tiny_model.py``)

