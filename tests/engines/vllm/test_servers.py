@@ -148,43 +148,6 @@ def _check_scrape_agrees(samples: dict, row: dict) -> None:
     assert samples[("kvcached_stats_valid", lab)] == 1
 
 
-def test_the_engines_metrics_agree_with_kvctl_and_move_with_load(servers):
-    """Scraped over HTTP at vLLM's own /metrics, S1's kvcached_* numbers equal
-    `kvctl list --json` idle and after a load. Under a 1 MiB limit the load
-    fills the pages (used bytes rise, never past the limit, and fall back after:
-    bounded prefix cache), maps what was not mapped, and is refused by the limit
-    (vLLM waits or preempts): the counters say so."""
-    s1 = servers["s1"]
-    idle, row0 = _scrape_agreeing_with_kvctl(s1)
-    _check_scrape_agrees(idle, row0)
-    assert row0["record_version"] == 2
-    lab = (("device", row0["device"]), ("engine", row0["engine"]), ("name", s1.name))
-    r = h.kvctl("limit", s1.name, "1M")
-    assert r.returncode == 0, r.stderr
-    used_during = []
-    try:
-        with ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(_run_all, s1, h.decode_prompts(), h.LONG_DECODE)
-            while not fut.done():
-                used_during.append(_kvcached_scrape(s1)[("kvcached_used_bytes", lab)])
-                time.sleep(0.1)
-            assert len(fut.result()) == len(h.decode_prompts())
-        time.sleep(1.5)  # idle: the bounded prefix cache lets blocks go
-        after, row1 = _scrape_agreeing_with_kvctl(s1)
-    finally:
-        r = h.kvctl("limit", s1.name, str(row0["limit"]))
-        assert r.returncode == 0, r.stderr
-    _check_scrape_agrees(after, row1)
-    peak = max(used_during)
-    assert row0["used"] < peak <= CAP and row1["used"] < peak, (row0["used"], used_during, row1["used"])
-    grew = {k: row1["counters"][k] - row0["counters"][k] for k in row0["counters"]}
-    # Every page in use at the peak is mapped: what was not mapped before the load was mapped during it.
-    assert grew["pages_mapped"] >= peak // h.BPP - row0["mapped"] // h.BPP, (grew, row0["mapped"], peak)
-    calls = row1["histograms"]["map_seconds"]["count"] - row0["histograms"]["map_seconds"]["count"]
-    assert (calls > 0) == (grew["pages_mapped"] > 0), (calls, grew)
-    assert grew["refused_limit"] > 0, grew  # 8 requests growing to 2 blocks each never fit 1 MiB at once
-
-
 def test_capped_engine_preempts_and_completes_instead_of_crashing(servers, native_run):
     s1, s2 = servers["s1"], servers["s2"]
     r = h.kvctl("limit", s2.name, "1M")
@@ -314,6 +277,54 @@ def test_an_idle_engine_gives_its_cached_pages_to_a_loaded_peer(servers, native_
         for s in sampler.samples
         if s.get(s1.name) and s.get(s2.name)
     )
+
+
+# Last of the load tests: run before them, it left S1 in a state from which two of them failed
+# on vLLM 0.26 (S2 never ran all 8 requests at once; S1 never asked idle S2 for memory), in
+# every CI run, not on 0.29 or 0.32. Not yet explained: see the closing note of 2026-12-03.
+def test_the_engines_metrics_agree_with_kvctl_and_move_with_load(servers):
+    """Scraped over HTTP at vLLM's own /metrics, S1's kvcached_* numbers equal
+    `kvctl list --json` idle and after a load. Under a 1 MiB limit the load
+    fills the pages (used bytes rise, never past the limit, and fall back after:
+    bounded prefix cache), maps what was not mapped, and is refused by the limit
+    (vLLM waits or preempts): the counters say so."""
+    s1, s2 = servers["s1"], servers["s2"]
+    # S2's cache from the tests above is given back first (a lowered limit, idle), so the
+    # whole of S1's 1 MiB limit is in the budget's room and the load can fill it.
+    s2_limit = h.read_record(s2.name)["limit"]
+    assert h.kvctl("limit", s2.name, "1M").returncode == 0
+    deadline = time.monotonic() + 30
+    while h.mapped(h.read_record(s2.name)) > CAP and time.monotonic() < deadline:
+        time.sleep(0.1)
+    idle, row0 = _scrape_agreeing_with_kvctl(s1)
+    _check_scrape_agrees(idle, row0)
+    assert row0["record_version"] == 2
+    lab = (("device", row0["device"]), ("engine", row0["engine"]), ("name", s1.name))
+    r = h.kvctl("limit", s1.name, "1M")
+    assert r.returncode == 0, r.stderr
+    used_during = []
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(_run_all, s1, h.decode_prompts(), h.LONG_DECODE)
+            while not fut.done():
+                used_during.append(_kvcached_scrape(s1)[("kvcached_used_bytes", lab)])
+                time.sleep(0.1)
+            assert len(fut.result()) == len(h.decode_prompts())
+        time.sleep(1.5)  # idle: the bounded prefix cache lets blocks go
+        after, row1 = _scrape_agreeing_with_kvctl(s1)
+    finally:
+        r = h.kvctl("limit", s1.name, str(row0["limit"]))
+        assert r.returncode == 0, r.stderr
+        assert h.kvctl("limit", s2.name, str(s2_limit)).returncode == 0
+    _check_scrape_agrees(after, row1)
+    peak = max(used_during)
+    assert row0["used"] < peak <= CAP and row1["used"] < peak, (row0["used"], used_during, row1["used"])
+    grew = {k: row1["counters"][k] - row0["counters"][k] for k in row0["counters"]}
+    # Every page in use at the peak is mapped: what was not mapped before the load was mapped during it.
+    assert grew["pages_mapped"] >= peak // h.BPP - row0["mapped"] // h.BPP, (grew, row0["mapped"], peak)
+    calls = row1["histograms"]["map_seconds"]["count"] - row0["histograms"]["map_seconds"]["count"]
+    assert (calls > 0) == (grew["pages_mapped"] > 0), (calls, grew)
+    assert grew["refused_limit"] > 0, grew  # 8 requests growing to 2 blocks each never fit 1 MiB at once
 
 
 def test_kill9_then_a_restart_under_the_same_name_replaces_the_dead_record_and_serves(servers):
