@@ -84,11 +84,11 @@ def tokens_wanted(scheduler: Any, queue: Any) -> int:
     (or its own size) still maps: asking for less would never reach an idle peer."""
     running = getattr(getattr(scheduler, "running_batch", None), "reqs", None) or ()
     # Only the requests that could start: past max_running_requests, memory is not why they wait.
-    room = int(getattr(scheduler, "max_running_requests", 0) or _WANT_SCAN) - len(running)
+    startable = int(getattr(scheduler, "max_running_requests", 0) or _WANT_SCAN) - len(running)
     try:
         need = sum(_left(r) for r in running)
         for i, r in enumerate(queue):
-            if i >= min(_WANT_SCAN, room):
+            if i >= min(_WANT_SCAN, startable):
                 break
             need += len(r.origin_input_ids) + len(r.output_ids) + _left(r)
         return need
