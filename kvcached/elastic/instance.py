@@ -33,6 +33,8 @@ logger = logging.getLogger("kvcached.elastic")
 
 # How often an idle instance reads its peers' records for a want (at once when poked).
 PEER_CHECK_S = 0.5
+# How soon a watcher poked while its engine was busy looks again.
+_POKED_RECHECK_S = 0.01
 
 
 class IdleAction(enum.Flag):
@@ -183,7 +185,11 @@ class IdleWatcher(threading.Thread):
                 return
             try:
                 if self.queued or self.busy() or not self.has_memory():
-                    continue  # a busy engine gives memory back from its own steps
+                    # A busy engine gives memory back from its own steps. A poke stays set
+                    # (the engine may turn idle soon): look again shortly, without spinning.
+                    if inst.poke.is_set():
+                        time.sleep(_POKED_RECHECK_S)
+                    continue
                 act = inst.idle_action(rate_limited=False)  # this thread's wait is the rate limit
                 if act:
                     self.queued = True

@@ -405,6 +405,12 @@ class InstanceLimits:
         """Publishes ``lacking`` bytes (whole pages) as this instance's want and
         wakes every peer: unused budget comes back at once, idle engines look
         for cache to give back."""
+        if not self._wanting:  # once per want, not per renewal
+            logger.info(
+                "kvcached: %s wants %s more than the device budget has room for; asking idle peers",
+                self.name,
+                format_size(lacking),
+            )
         self._set_want(-(-lacking // self._bpp) * self._bpp)
         self.budget.nudge(exclude=self.name, everyone=True)
 

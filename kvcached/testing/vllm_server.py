@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -58,6 +58,7 @@ def engine_env(kvcached: bool, name: Optional[str] = None, **extra: object) -> D
         env["PYTHONPATH"] = os.environ[ENV_ENGINE_PYTHONPATH]
     if kvcached:
         env["ENABLE_KVCACHED"] = "true"
+        env["KVCACHED_LOG_LEVEL"] = "INFO"  # kvcached's own lines (wants, give-backs) in the server log
         if name:
             env["KVCACHED_IPC_NAME"] = name
     env.update({k: str(v) for k, v in extra.items()})
@@ -132,6 +133,10 @@ def start_server(
     ``max_num_seqs``, eager) with the caller's, e.g. a GPU run's defaults."""
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}.log")
+    restart = 1
+    while os.path.exists(log_path):  # a restart under the same name keeps the earlier log
+        restart += 1
+        log_path = os.path.join(log_dir, f"{name}.{restart}.log")
     if base_args is None:
         base_args = (
             "--dtype",
@@ -185,8 +190,16 @@ def _post(port: int, body: dict, timeout: float) -> urllib.request.Request:
     )
 
 
-def complete(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float = 300) -> List[int]:
-    """Greedy completion of ``max_tokens`` tokens (EOS ignored); the output token ids."""
+def complete(
+    srv: Server,
+    prompt_ids: List[int],
+    max_tokens: int,
+    timeout: float = 300,
+    on_first_token: Optional[Callable[[], None]] = None,
+) -> List[int]:
+    """Greedy completion of ``max_tokens`` tokens (EOS ignored); the output token ids.
+    With ``on_first_token`` the completion is streamed and that is called once, when
+    the first token arrives: from then on the engine is running the request."""
     body = {
         "model": srv.model,
         "prompt": prompt_ids,
@@ -195,9 +208,21 @@ def complete(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float
         "return_token_ids": True,
         "ignore_eos": True,
     }
-    with urllib.request.urlopen(_post(srv.port, body, timeout), timeout=timeout) as r:
-        out = json.loads(r.read())
-    return list(out["choices"][0]["token_ids"])
+    if on_first_token is None:
+        with urllib.request.urlopen(_post(srv.port, body, timeout), timeout=timeout) as r:
+            out = json.loads(r.read())
+        return list(out["choices"][0]["token_ids"])
+    tokens: List[int] = []
+    with urllib.request.urlopen(_post(srv.port, {**body, "stream": True}, timeout), timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[5:]).get("choices", ()):
+                if c.get("token_ids") and not tokens:
+                    on_first_token()
+                tokens.extend(c.get("token_ids") or ())
+    return tokens
 
 
 def stream(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float = 300) -> Tuple[float, float, int]:

@@ -191,6 +191,8 @@ class ServerClient:
         ]
         if kw.get("max_total_tokens"):
             flags += ["--max-total-tokens", str(kw["max_total_tokens"])]
+        if kw.get("enable_metrics"):
+            flags.append("--enable-metrics")
         self.log_path = cfg["server_log"]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(

@@ -14,6 +14,9 @@ Checked: both engines' tokens for the same prompts are identical, neither crashe
 reported a leak, what both map together never exceeds the budget (sampled from their
 shared-memory records under the budget's lock all along), and each engine really used
 pages the other gave back (its peak exceeds what the other left it at the start).
+Both run with ``--enable-metrics``: their own /metrics serve kvcached_* series equal to
+``kvctl list --json`` at every step, and the record's counters tell the story above
+(pages mapped by A's batch, A's give-backs, B's refusals by the budget and its want served).
 
 The budget counts every live kvcached instance of this user on the host: run alone
 (as CI does), not beside other kvcached engines on the CPU.
@@ -28,6 +31,8 @@ from typing import Any, Dict
 
 import pytest
 from engine_driver import BATCH, ServerClient, batch_prompts
+
+from kvcached.testing.engine_metrics import check_scrape_agrees, scrape_agreeing_with_kvctl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUBS = os.path.join(os.path.dirname(HERE), "sglang_stubs")
@@ -89,19 +94,27 @@ def pair(tiny_model, tmp_path_factory) -> Dict[str, Any]:
         # its pool from the same budget while the first holds pages.
         for k in "ab":
             cfg = {"model": tiny_model, "server_log": out["logs"][k]}
-            kw = dict(page_size=16, log_level="info", max_total_tokens=None)
+            kw = dict(page_size=16, log_level="info", max_total_tokens=None, enable_metrics=True)
             servers[k] = ServerClient(cfg, kw, env=_env(names[k]))
         sampler.start()
         a, b = servers["a"], servers["b"]
+
+        def scrape(step: str) -> None:
+            out["scrapes"][step] = {k: scrape_agreeing_with_kvctl(s.base, names[k]) for k, s in servers.items()}
+
+        out["scrapes"] = {}
+        scrape("start")
         out["a_first"] = [o["output_ids"] for o in a.generate(batch_prompts("p", 6), BATCH)]
         time.sleep(1.0)  # A idles with its cache full
         out["a_idle_mapped"] = _mapped(names["a"])
         out["b_left_at_start"] = BUDGET - out["a_idle_mapped"]
+        scrape("a_cached")
         t0 = time.monotonic()
         out["b_batch"] = [o["output_ids"] for o in b.generate(batch_prompts("q", 10), BATCH)]
         out["b_batch_s"] = round(time.monotonic() - t0, 1)
         out["b_peak"] = peak["b"]
         out["a_after_b"] = _mapped(names["a"])
+        scrape("b_served")
         time.sleep(1.0)  # B idles with its cache full; now A wants
         out["b_idle_mapped"] = _mapped(names["b"])
         out["a_left_at_start"] = BUDGET - out["b_idle_mapped"]
@@ -140,6 +153,31 @@ def test_each_idle_engine_gives_its_cache_to_the_wanting_one(pair) -> None:
     # And the other way round.
     assert pair["b_idle_mapped"] >= BUDGET // 3
     assert pair["a_peak"] > pair["a_left_at_start"], pair
+
+
+def test_each_engines_metrics_agree_with_kvctl_and_tell_what_happened(pair) -> None:
+    scrapes = pair["scrapes"]
+    for step, by_engine in scrapes.items():
+        for k, (samples, row) in by_engine.items():
+            assert row["record_version"] == 2, (step, k)
+            check_scrape_agrees(samples, row)
+
+    def grew(k: str, since: str, until: str, counter: str) -> int:
+        return scrapes[until][k][1]["counters"][counter] - scrapes[since][k][1]["counters"][counter]
+
+    def served(k: str, since: str, until: str, hist: str) -> int:
+        h0, h1 = (scrapes[s][k][1]["histograms"][hist]["count"] for s in (since, until))
+        return h1 - h0
+
+    # A's batch mapped pages (timed by the map histogram); its cache then stayed mapped.
+    assert grew("a", "start", "a_cached", "pages_mapped") > 0
+    assert served("a", "start", "a_cached", "map_seconds") > 0
+    # B's batch: the budget refused B (it waited and published a want, which was served) ...
+    assert grew("b", "a_cached", "b_served", "refused_budget") > 0
+    assert served("b", "a_cached", "b_served", "want_served_seconds") > 0
+    # ... and A gave its idle cache back, counted in give-backs and bytes.
+    assert grew("a", "a_cached", "b_served", "give_backs") > 0
+    assert grew("a", "a_cached", "b_served", "given_back_bytes") > 0
 
 
 def test_no_crash_or_leak_reported(pair) -> None:
