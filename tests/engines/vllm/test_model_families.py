@@ -33,6 +33,11 @@ CASES = {
     "gemma4-one-group": ("gemma4", ("--blocks", "24", "--no-hybrid")),
 }
 
+# A hit needs a full block of every group: hybrid Gemma 4's local group has 256-token
+# blocks (pages evened out with the global group), longer than workload A's 131-token
+# prompts, so neither run can hit (prefix caching stays on; tokens are still compared).
+NO_FULL_BLOCK_OF_EVERY_GROUP = {"gemma4"}
+
 
 def _kvcached_path_env() -> dict:
     """The engine processes import the kvcached this test imports (a source
@@ -101,8 +106,9 @@ def test_greedy_tokens_identical_with_prefix_caching_and_preemption(runs):
     assert kv.get("tokensL") == native.get("tokensL"), family
     for run in (native, kv):
         assert run["metrics"].get("vllm:num_preemptions", 0) > 0, (family, run["metrics"])
-        # Prefix-cache hits (pass 2, and preempted requests finding their own blocks again).
-        assert run["metrics"].get("vllm:prefix_cache_hits", 0) > 0, (family, run["metrics"])
+        if family not in NO_FULL_BLOCK_OF_EVERY_GROUP:
+            # Prefix-cache hits (pass 2, and preempted requests finding their own blocks again).
+            assert run["metrics"].get("vllm:prefix_cache_hits", 0) > 0, (family, run["metrics"])
 
 
 def test_the_kv_pages_follow_the_load_within_the_limit(runs):
