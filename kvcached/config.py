@@ -209,6 +209,13 @@ VARIABLES: Tuple[Var, ...] = (
         meaning="tests: `op:N[xM]` makes the Nth backend call fail (`create`, `map`, `set_access`, `unmap`, `release`)",
     ),
     Var(
+        name="KVCACHED_TEST_ENGINE_PYTHONPATH",
+        type="str",
+        default="-",
+        meaning="tests: PYTHONPATH of the engines the tests start, so a checkout's kvcached shadows "
+        "the one installed in a cached engine venv",
+    ),
+    Var(
         name="KVCACHED_IPC_FAULT_INJECT",
         type="spec",
         default="-",

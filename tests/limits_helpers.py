@@ -159,7 +159,17 @@ FIELDS = {
     "wanted": (272, "<q"),
     "wanted_ns": (280, "<q"),
     "quarantined": (288, "<q"),
+    # Version 2: the statistics block after the 312 bytes of version 1.
+    "stats_magic": (312, "<Q"),
+    "stats_version": (320, "<I"),
+    "stats_size": (324, "<I"),
+    "stats_counter_slots": (328, "<I"),
+    "want_since_ns": (344, "<q"),
+    "counter_pages_mapped": (352, "<Q"),
+    "counter_pages_unmapped": (360, "<Q"),
+    "hist_map_bucket0": (480, "<Q"),
 }
+RECORD_V2_SIZE = 1056
 
 
 def shm_path(name: str) -> str:

@@ -171,7 +171,7 @@ def test_a_shortage_asks_for_the_pages_of_the_tokens_the_request_needs(host_plan
     inst.note_shortage(2 * tokens_per_page + 1)
     inst.note_shortage(tokens_per_page)
     inst.note_shortage()  # unknown need: the limits' default, one page
-    assert asked == [3 * pool.bytes_per_page, pool.bytes_per_page, 0]
+    assert asked == [4 * pool.bytes_per_page, 2 * pool.bytes_per_page, 0]  # +1 page: block placement
     inst.close()
     m.shutdown()
 
@@ -239,3 +239,22 @@ def test_enable_kvcached_means_the_same_in_both_engines(monkeypatch, raw, on):
             activate()
         errors.append(str(e.value))
     assert errors[0] == errors[1] and "ENABLE_KVCACHED" in errors[0] and "\n" not in errors[0]
+
+
+def test_sglang_want_counts_the_queue_that_could_start_and_the_running_growth():
+    # Shapes of SGLang's Scheduler/Req attributes (the engine tests run the real ones:
+    # tests/engines/sglang/test_two_engines.py); the arithmetic is checked here.
+    from types import SimpleNamespace as NS
+
+    from kvcached.integration.sglang.admission import tokens_wanted
+
+    def req(prompt: int, out: int, max_new: int) -> NS:
+        return NS(origin_input_ids=[0] * prompt, output_ids=[0] * out, sampling_params=NS(max_new_tokens=max_new))
+
+    running = [req(10, 30, 96), req(10, 96, 96)]  # 66 and 0 tokens still to grow
+    queue = [req(20, 0, 96), req(40, 0, 96), req(8, 0, 96)]
+    sched = NS(running_batch=NS(reqs=running), waiting_queue=queue, max_running_requests=4)
+    assert tokens_wanted(sched, queue) == 66 + (20 + 96) + (40 + 96)  # only 2 more may run
+    sched.max_running_requests = 16
+    assert tokens_wanted(sched, queue) == 66 + (20 + 96) + (40 + 96) + (8 + 96)
+    assert tokens_wanted(NS(waiting_queue=[object()]), [object()]) == 0  # unknown shape: one page

@@ -533,7 +533,30 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("quarantined", &MemInfoSnapshot::quarantined)
       .def_readonly("owner_uid", &MemInfoSnapshot::owner_uid)
       .def_readonly("problem", &MemInfoSnapshot::problem)
-      .def_readonly("busy", &MemInfoSnapshot::busy);
+      .def_readonly("busy", &MemInfoSnapshot::busy)
+      .def_readonly("record_version", &MemInfoSnapshot::record_version)
+      .def_readonly("has_stats", &MemInfoSnapshot::has_stats)
+      .def_readonly("stats_problem", &MemInfoSnapshot::stats_problem)
+      .def_readonly("want_since_ns", &MemInfoSnapshot::want_since_ns)
+      .def_readonly("counters", &MemInfoSnapshot::counters)
+      .def_readonly("hist_buckets", &MemInfoSnapshot::hist_buckets)
+      .def_readonly("hist_sum_ns", &MemInfoSnapshot::hist_sum_ns);
+  // The statistics' names and bucket bounds: the order of the snapshot's lists.
+  m.def("record_stats_layout", [] {
+    py::list counters, hists;
+    for (int i = 0; i < static_cast<int>(StatCounter::Count); ++i) {
+      counters.append(stat_counter_name(static_cast<StatCounter>(i)));
+    }
+    for (int h = 0; h < static_cast<int>(StatHist::Count); ++h) {
+      const int64_t* b = stat_hist_bounds_ns(static_cast<StatHist>(h));
+      hists.append(py::make_tuple(stat_hist_name(static_cast<StatHist>(h)), std::vector<int64_t>(b, b + kStatBuckets)));
+    }
+    py::dict d;
+    d["counters"] = counters;
+    d["histograms"] = hists;
+    d["record_version"] = kMemInfoVersion;
+    return d;
+  });
   constexpr int64_t kMaxBytes = kMaxRecordBytes;
   py::class_<MemInfoTracker, std::shared_ptr<MemInfoTracker>>(m, "MemInfoTracker")
       .def_static(
@@ -602,6 +625,31 @@ PYBIND11_MODULE(_C, m) {
           "set_quarantined",
           [](MemInfoTracker& t, py::object b) { t.set_quarantined(to_i64(b, "quarantined bytes")); },
           py::arg("bytes"))
+      .def_property_readonly("has_stats", &MemInfoTracker::has_stats)
+      // Python's side of the statistics (refusals, give-backs): by name, from
+      // paths that already batch (never per block). No-ops on a version-1 record.
+      .def(
+          "add_counter",
+          [](MemInfoTracker& t, const std::string& name, py::object n) {
+            uint64_t v = static_cast<uint64_t>(to_i64_in(n, "count", 0, INT64_MAX));
+            for (int i = 0; i < static_cast<int>(StatCounter::Count); ++i) {
+              if (name == stat_counter_name(static_cast<StatCounter>(i))) return t.add_counter(static_cast<StatCounter>(i), v);
+            }
+            invalid("no record counter named '" + name + "'; see kvcached._C.record_stats_layout()");
+          },
+          py::arg("name"), py::arg("n") = 1)
+      .def(
+          "observe",
+          [](MemInfoTracker& t, const std::string& name, double seconds) {
+            if (!(seconds >= 0.0 && seconds < 1e9)) invalid("observe: seconds must be in [0, 1e9), got " + std::to_string(seconds));
+            for (int h = 0; h < static_cast<int>(StatHist::Count); ++h) {
+              if (name == stat_hist_name(static_cast<StatHist>(h))) {
+                return t.observe(static_cast<StatHist>(h), static_cast<int64_t>(seconds * 1e9));
+              }
+            }
+            invalid("no record histogram named '" + name + "'; see kvcached._C.record_stats_layout()");
+          },
+          py::arg("name"), py::arg("seconds"))
       .def("unlink", &MemInfoTracker::unlink);
   m.def("list_mem_info_records", &list_mem_info_records, release_gil());
   m.def("delete_mem_info_record", &delete_mem_info_record, py::arg("name"), py::arg("force") = false, release_gil());

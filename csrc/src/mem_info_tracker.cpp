@@ -75,8 +75,8 @@ int open_shm(const std::string& name, int flags, mode_t mode = 0) {
   return ::open(shm_path(name).c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode);
 }
 
-MemInfoRecord* map_record(int fd, const std::string& name, int* guard) {
-  void* p = mmap(nullptr, sizeof(MemInfoRecord), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+MemInfoRecord* map_record(int fd, const std::string& name, size_t size, int* guard) {
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     int e = errno;
     close(fd);
@@ -131,6 +131,51 @@ void finish_dead_write_locked(MemInfoRecord* r) {
 }
 
 bool in_range(int64_t v) { return v >= 0 && v <= kMaxRecordBytes; }
+
+// Upper bounds of the histogram buckets, ns. Map/unmap: a host page maps in
+// ~10 us, a 2 MiB GPU page in ~30-45 us, a TP fan-out of a batch in ms.
+// Wants: served within a scheduling step (ms) to minutes.
+constexpr int64_t kUs = 1000, kMs = 1000 * kUs, kS = 1000 * kMs;
+constexpr int64_t kLatencyBounds[kStatBuckets] = {
+    5 * kUs,  10 * kUs,  25 * kUs,  50 * kUs,  100 * kUs, 250 * kUs, 500 * kUs, 1 * kMs,
+    2 * kMs + 500 * kUs, 5 * kMs, 10 * kMs, 25 * kMs, 50 * kMs, 100 * kMs, 250 * kMs, 1 * kS,
+};
+constexpr int64_t kWantBounds[kStatBuckets] = {
+    10 * kMs, 25 * kMs, 50 * kMs, 100 * kMs, 250 * kMs, 500 * kMs, 1 * kS,   2 * kS,
+    5 * kS,   10 * kS,  20 * kS,  30 * kS,   60 * kS,   120 * kS,  300 * kS, 600 * kS,
+};
+
+// The statistics block of a version-2 record whose header checks pass; null otherwise.
+MemInfoStats* stats_block(MemInfoRecord* r, size_t size) {
+  if (size != kMemInfoV2Size) return nullptr;
+  auto* st = reinterpret_cast<MemInfoStats*>(reinterpret_cast<char*>(r) + sizeof(MemInfoRecord));
+  if (st->magic != kMemStatsMagic || st->version != kMemStatsVersion || st->size != sizeof(MemInfoStats) ||
+      st->counter_slots != kStatCounterSlots || st->hist_slots != kStatHistSlots || st->buckets != kStatBuckets) {
+    return nullptr;
+  }
+  return st;
+}
+
+// Why a version-2 statistics block is not trusted ("" when it is).
+std::string stats_header_problem(const MemInfoStats* st) {
+  if (st->magic != kMemStatsMagic) return "its statistics block has a wrong magic";
+  if (st->version != kMemStatsVersion) {
+    return "its statistics block is of version " + std::to_string(st->version) + ", this kvcached reads version " +
+           std::to_string(kMemStatsVersion);
+  }
+  if (st->size != sizeof(MemInfoStats) || st->counter_slots != kStatCounterSlots || st->hist_slots != kStatHistSlots ||
+      st->buckets != kStatBuckets) {
+    return "its statistics block has a wrong layout (size/slot fields)";
+  }
+  return "";
+}
+
+// The record size a header claims, if its version is one this build reads; 0 otherwise.
+size_t size_of_version(uint32_t version) {
+  if (version == kMemInfoVersionV1) return sizeof(MemInfoRecord);
+  if (version == kMemInfoVersion) return kMemInfoV2Size;
+  return 0;
+}
 
 }  // namespace
 
@@ -188,19 +233,27 @@ bool process_alive(int pid, uint64_t start_time) {
   return !exited_unreaped(pid, state);
 }
 
-MemInfoTracker::MemInfoTracker(std::string name, int fd, MemInfoRecord* rec, int guard, bool owner)
-    : name_(std::move(name)), fd_(fd), rec_(rec), guard_(guard), owner_(owner) {}
+MemInfoTracker::MemInfoTracker(std::string name, int fd, MemInfoRecord* rec, size_t size, int guard, bool owner)
+    : name_(std::move(name)), fd_(fd), rec_(rec), size_(size), stats_(stats_block(rec, size)), guard_(guard),
+      owner_(owner) {}
 
 MemInfoTracker::MemInfoTracker(MemInfoTracker&& o) noexcept
-    : name_(std::move(o.name_)), fd_(o.fd_), rec_(o.rec_), guard_(o.guard_), owner_(o.owner_) {
+    : name_(std::move(o.name_)),
+      fd_(o.fd_),
+      rec_(o.rec_),
+      size_(o.size_),
+      stats_(o.stats_),
+      guard_(o.guard_),
+      owner_(o.owner_) {
   o.fd_ = -1;
   o.rec_ = nullptr;
+  o.stats_ = nullptr;
   o.guard_ = -1;
 }
 
 MemInfoTracker::~MemInfoTracker() {
   mapping_guard::remove(guard_);
-  if (rec_) munmap(rec_, sizeof(MemInfoRecord));
+  if (rec_) munmap(rec_, size_);
   if (fd_ >= 0) close(fd_);
 }
 
@@ -279,16 +332,24 @@ MemInfoTracker MemInfoTracker::create(const std::string& name, const std::string
   }
   if (fd < 0) fail(ErrorKind::Backend, "cannot create record '" + name + "': " + std::strerror(errno));
   fchmod(fd, 0600);  // whatever the umask
-  if (ftruncate(fd, sizeof(MemInfoRecord)) != 0) {
+  if (ftruncate(fd, kMemInfoV2Size) != 0) {
     int e = errno;
     close(fd);
     ::unlink(path.c_str());
     fail(ErrorKind::Backend, "cannot size record '" + name + "': " + std::strerror(e));
   }
   int guard = -1;
-  MemInfoRecord* r = map_record(fd, name, &guard);
+  MemInfoRecord* r = map_record(fd, name, kMemInfoV2Size, &guard);
   r->version = kMemInfoVersion;
-  r->record_size = sizeof(MemInfoRecord);
+  r->record_size = kMemInfoV2Size;
+  // The statistics block: zeros from ftruncate, then its header.
+  auto* st = reinterpret_cast<MemInfoStats*>(reinterpret_cast<char*>(r) + sizeof(MemInfoRecord));
+  st->magic = kMemStatsMagic;
+  st->version = kMemStatsVersion;
+  st->size = sizeof(MemInfoStats);
+  st->counter_slots = kStatCounterSlots;
+  st->hist_slots = kStatHistSlots;
+  st->buckets = kStatBuckets;
   r->device_type = device_type;
   r->device_index = device_index;
   r->owner_pid = getpid();
@@ -312,7 +373,7 @@ MemInfoTracker MemInfoTracker::create(const std::string& name, const std::string
   std::atomic_thread_fence(std::memory_order_release);
   // The magic last: a reader never takes a record half made for one.
   reinterpret_cast<std::atomic<uint64_t>*>(&r->magic)->store(kMemInfoMagic, std::memory_order_release);
-  return MemInfoTracker(name, fd, r, guard, true);
+  return MemInfoTracker(name, fd, r, kMemInfoV2Size, guard, true);
 }
 
 MemInfoTracker MemInfoTracker::open(const std::string& name) {
@@ -324,25 +385,38 @@ MemInfoTracker MemInfoTracker::open(const std::string& name) {
     if (e == ELOOP) invalid("'" + name + "' in /dev/shm is a symbolic link, not a kvcached record");
     fail(ErrorKind::Backend, "cannot open record '" + name + "': " + std::strerror(e));
   }
+  // The header first (a copy: the file may change size under us), then a
+  // mapping of exactly the size its version has.
+  alignas(8) char head[sizeof(MemInfoRecord)] = {};
   struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) != sizeof(MemInfoRecord)) {
-    bool reg = S_ISREG(st.st_mode);
+  bool reg = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  ssize_t got = reg ? pread(fd, head, sizeof(head), 0) : -1;
+  uint64_t magic = 0;
+  uint32_t version = 0, record_size = 0;
+  std::memcpy(&magic, head + offsetof(MemInfoRecord, magic), sizeof(magic));
+  std::memcpy(&version, head + offsetof(MemInfoRecord, version), sizeof(version));
+  std::memcpy(&record_size, head + offsetof(MemInfoRecord, record_size), sizeof(record_size));
+  size_t want = size_of_version(version);
+  if (!reg || got != static_cast<ssize_t>(sizeof(head)) || magic != kMemInfoMagic) {
     close(fd);
     invalid("'" + name + "' in /dev/shm is not a kvcached record (" +
-            (reg ? std::to_string(st.st_size) + " bytes, a record has " + std::to_string(sizeof(MemInfoRecord))
-                 : std::string("not a regular file")) +
-            ")");
+            (reg ? std::to_string(st.st_size) + " bytes, no record header" : std::string("not a regular file")) + ")");
+  }
+  if (want == 0) {
+    close(fd);
+    invalid("'" + name + "' in /dev/shm is a kvcached record of version " + std::to_string(version) +
+            ", not a kvcached record of version 1 or 2 that this kvcached reads; use the kvctl of the kvcached that "
+            "instance runs");
+  }
+  if (record_size != want || static_cast<size_t>(st.st_size) != want) {
+    close(fd);
+    invalid("'" + name + "' in /dev/shm is not a kvcached record (" + std::to_string(st.st_size) +
+            " bytes, size field " + std::to_string(record_size) + "; a record of version " + std::to_string(version) +
+            " has " + std::to_string(want) + ")");
   }
   int guard = -1;
-  MemInfoRecord* r = map_record(fd, name, &guard);
-  if (reinterpret_cast<std::atomic<uint64_t>*>(&r->magic)->load(std::memory_order_acquire) != kMemInfoMagic ||
-      r->version != kMemInfoVersion || r->record_size != sizeof(MemInfoRecord)) {
-    mapping_guard::remove(guard);
-    munmap(r, sizeof(MemInfoRecord));
-    close(fd);
-    invalid("'" + name + "' in /dev/shm is not a kvcached record of version " + std::to_string(kMemInfoVersion));
-  }
-  return MemInfoTracker(name, fd, r, guard, false);
+  MemInfoRecord* r = map_record(fd, name, want, &guard);
+  return MemInfoTracker(name, fd, r, want, guard, false);
 }
 
 uint32_t MemInfoTracker::settled_seq(bool may_repair) const {
@@ -388,13 +462,13 @@ MemInfoSnapshot MemInfoTracker::snapshot() const {
     bad("the record file was truncated while mapped; this handle is detached from it");
     return s;
   }
-  if (!stat_ok || static_cast<size_t>(st.st_size) < sizeof(MemInfoRecord)) {
+  if (!stat_ok || static_cast<size_t>(st.st_size) < size_) {
     bad("the record file is " + (stat_ok ? std::to_string(st.st_size) : std::string("?")) + " bytes, not " +
-        std::to_string(sizeof(MemInfoRecord)) + " (truncated)");
+        std::to_string(size_) + " (truncated)");
     return s;  // reading the mapping past the end of the file would fault
   }
-  if (static_cast<size_t>(st.st_size) != sizeof(MemInfoRecord)) {
-    bad("the record file is " + std::to_string(st.st_size) + " bytes, not " + std::to_string(sizeof(MemInfoRecord)));
+  if (static_cast<size_t>(st.st_size) != size_) {
+    bad("the record file is " + std::to_string(st.st_size) + " bytes, not " + std::to_string(size_));
   }
   if (owner_ && st.st_uid != euid) {
     bad("the record now belongs to uid " + std::to_string(st.st_uid) + ", not to its owner (uid " +
@@ -408,9 +482,12 @@ MemInfoSnapshot MemInfoTracker::snapshot() const {
     bad(std::string("writable by other users (mode ") + mode + ")");
   }
   bool trusted_file = s.problem.empty();
+  s.record_version = rec_->version;
   if (reinterpret_cast<std::atomic<uint64_t>*>(&rec_->magic)->load(std::memory_order_acquire) != kMemInfoMagic ||
-      rec_->version != kMemInfoVersion || rec_->record_size != sizeof(MemInfoRecord)) {
-    bad("not a kvcached record of version " + std::to_string(kMemInfoVersion) + " (magic/version/size fields)");
+      size_of_version(s.record_version) != size_ || rec_->record_size != size_) {
+    bad("not a kvcached record of version 1 or 2 (magic/version/size fields say version " +
+        std::to_string(s.record_version) + ", " + std::to_string(rec_->record_size) + " bytes; mapped " +
+        std::to_string(size_) + ")");
   }
   size_t n = strnlen(rec_->name, sizeof(rec_->name));
   if (n == sizeof(rec_->name) || n != name_.size() || std::memcmp(rec_->name, name_.data(), n) != 0) {
@@ -458,8 +535,98 @@ MemInfoSnapshot MemInfoTracker::snapshot() const {
   }
   if (s.updated_ns < 0 || s.wanted_ns < 0) bad("a timestamp field is negative");
   s.owner_alive = process_alive(s.owner_pid, s.owner_start_time);
+  if (size_ == kMemInfoV2Size) read_stats(s);
   return s;
 }
+
+void MemInfoTracker::read_stats(MemInfoSnapshot& s) const {
+  // Checked on its own: a bad block hides the statistics, not the record.
+  const auto* st = reinterpret_cast<const MemInfoStats*>(reinterpret_cast<const char*>(rec_) + sizeof(MemInfoRecord));
+  std::string why = stats_header_problem(st);
+  auto out_of_range = [&why](const std::string& what, uint64_t v) {
+    if (why.empty() && v > kMaxStatCount) {
+      why = "its statistics block is corrupt (" + what + " = " + std::to_string(v) + " is out of range)";
+    }
+  };
+  const int nc = static_cast<int>(StatCounter::Count), nh = static_cast<int>(StatHist::Count);
+  if (why.empty()) {
+    s.want_since_ns = st->want_since_ns.load(std::memory_order_acquire);
+    if (s.want_since_ns < 0) why = "its statistics block is corrupt (want_since_ns is negative)";
+    s.counters.resize(nc);
+    for (int i = 0; i < nc; ++i) {
+      uint64_t v = st->counters[i].load(std::memory_order_relaxed);
+      out_of_range(stat_counter_name(static_cast<StatCounter>(i)), v);
+      s.counters[i] = static_cast<int64_t>(v);
+    }
+    s.hist_buckets.assign(nh, std::vector<int64_t>(kStatBuckets + 1));
+    s.hist_sum_ns.resize(nh);
+    for (int h = 0; h < nh; ++h) {
+      std::string hn = stat_hist_name(static_cast<StatHist>(h));
+      for (int b = 0; b <= kStatBuckets; ++b) {
+        uint64_t v = st->hist[h].bucket[b].load(std::memory_order_relaxed);
+        out_of_range(hn + " bucket " + std::to_string(b), v);
+        s.hist_buckets[h][b] = static_cast<int64_t>(v);
+      }
+      uint64_t sum = st->hist[h].sum_ns.load(std::memory_order_relaxed);
+      out_of_range(hn + " sum", sum);
+      s.hist_sum_ns[h] = static_cast<int64_t>(sum);
+    }
+  }
+  if (!why.empty()) {
+    s.stats_problem = why + "; its statistics are not shown (they restart with the instance)";
+    s.counters.clear();
+    s.hist_buckets.clear();
+    s.hist_sum_ns.clear();
+    s.want_since_ns = 0;
+    return;
+  }
+  s.has_stats = true;
+}
+
+void MemInfoTracker::add_counter(StatCounter c, uint64_t n) {
+  // The magic again: a block overwritten since open gets nothing more.
+  if (stats_ == nullptr || n == 0 || stats_->magic != kMemStatsMagic) return;
+  stats_->counters[static_cast<int>(c)].fetch_add(n, std::memory_order_relaxed);
+}
+
+void MemInfoTracker::observe(StatHist h, int64_t ns) {
+  if (stats_ == nullptr || stats_->magic != kMemStatsMagic) return;
+  if (ns < 0) ns = 0;  // a CLOCK_REALTIME step backwards
+  const int64_t* bounds = stat_hist_bounds_ns(h);
+  int b = 0;
+  while (b < kStatBuckets && ns > bounds[b]) ++b;
+  auto& hist = stats_->hist[static_cast<int>(h)];
+  hist.bucket[b].fetch_add(1, std::memory_order_relaxed);
+  hist.sum_ns.fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
+}
+
+const char* stat_counter_name(StatCounter c) {
+  switch (c) {
+    case StatCounter::PagesMapped: return "pages_mapped";
+    case StatCounter::PagesUnmapped: return "pages_unmapped";
+    case StatCounter::MapFailures: return "map_failures";
+    case StatCounter::UnmapFailures: return "unmap_failures";
+    case StatCounter::RefusedLimit: return "refused_limit";
+    case StatCounter::RefusedBudget: return "refused_budget";
+    case StatCounter::GiveBacks: return "give_backs";
+    case StatCounter::GivenBackBytes: return "given_back_bytes";
+    case StatCounter::PagesQuarantined: return "pages_quarantined";
+    case StatCounter::Count: break;
+  }
+  return "?";
+}
+
+const char* stat_hist_name(StatHist h) {
+  switch (h) {
+    case StatHist::MapLatency: return "map_seconds";
+    case StatHist::UnmapLatency: return "unmap_seconds";
+    case StatHist::WantServed: return "want_served_seconds";
+    case StatHist::Count: break;
+  }
+  return "?";
+}
+
+const int64_t* stat_hist_bounds_ns(StatHist h) { return h == StatHist::WantServed ? kWantBounds : kLatencyBounds; }
 
 void MemInfoTracker::publish_usage(int64_t used, int64_t prealloc) {
   rec_->used.store(used, std::memory_order_release);
@@ -537,8 +704,19 @@ void MemInfoTracker::set_device_bytes(int64_t bytes) {
 void MemInfoTracker::set_wanted(int64_t bytes) {
   if (!in_range(bytes)) invalid("wanted bytes must be >= 0 and at most 2^60, got " + std::to_string(bytes));
   // Time first: a reader that sees the new bytes also sees a fresh time.
-  rec_->wanted_ns.store(now_ns(), std::memory_order_release);
+  int64_t now = now_ns();
+  rec_->wanted_ns.store(now, std::memory_order_release);
   rec_->wanted.store(bytes, std::memory_order_release);
+  if (stats_ != nullptr) {
+    // Only the owner writes a want: the start and end of one are seen here.
+    int64_t since = stats_->want_since_ns.load(std::memory_order_acquire);
+    if (bytes > 0 && since == 0) {
+      stats_->want_since_ns.store(now, std::memory_order_release);
+    } else if (bytes == 0 && since > 0) {
+      stats_->want_since_ns.store(0, std::memory_order_release);
+      observe(StatHist::WantServed, now - since);
+    }
+  }
 }
 
 void MemInfoTracker::set_quarantined(int64_t bytes) {

@@ -11,6 +11,11 @@
 namespace kvcached {
 
 namespace {
+int64_t mono_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 class LocalMapper final : public Mapper {
  public:
   explicit LocalMapper(int group_id) : group_id_(group_id) {}
@@ -117,10 +122,12 @@ std::vector<int64_t> PageAllocator::alloc_pages(size_t n) {
   for (size_t i = 0; i < fresh; ++i) new_ids.push_back(take_free_locked());
   mapped_ += fresh;
   lk.unlock();
+  int64_t t0 = mono_ns();
   try {
     mapper_->map(offsets_of(new_ids));
   } catch (const Error& e) {
     lk.lock();
+    if (e.kind() != ErrorKind::Shutdown) count_map_locked(fresh, t0, false);
     for (int64_t id : new_ids) put_free_locked(id);
     mapped_ -= fresh;
     // Give the reserved pages back in their order.
@@ -134,6 +141,7 @@ std::vector<int64_t> PageAllocator::alloc_pages(size_t n) {
     throw;
   }
   lk.lock();
+  count_map_locked(fresh, t0, true);
   for (int64_t id : new_ids) {
     state_[id] = State::InUse;
     ids.push_back(id);
@@ -180,12 +188,15 @@ void PageAllocator::free_page(int64_t id) { free_pages({id}); }
 
 void PageAllocator::unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::mutex>& lk) {
   lk.unlock();
+  int64_t t0 = mono_ns();
   try {
     mapper_->unmap(offsets_of(ids));
   } catch (const Error& e) {
     lk.lock();
     last_error_ = e.what();
-    if (e.kind() == ErrorKind::StateConsistency) {
+    bool lost = e.kind() == ErrorKind::StateConsistency;
+    count_unmap_locked(ids.size(), t0, false, lost ? ids.size() : 0);
+    if (lost) {
       for (int64_t id : ids) state_[id] = State::Quarantined;
       mapped_ -= ids.size();
       quarantined_ += ids.size();
@@ -202,6 +213,7 @@ void PageAllocator::unmap_busy(std::vector<int64_t> ids, std::unique_lock<std::m
     return;
   }
   lk.lock();
+  count_unmap_locked(ids.size(), t0, true, 0);
   for (int64_t id : ids) put_free_locked(id);
   mapped_ -= ids.size();
   publish_locked();
@@ -287,6 +299,27 @@ void PageAllocator::publish_quarantine_locked() {
   tracker_->set_quarantined(std::max(pages, mapper_->quarantined_bytes()));
 }
 
+void PageAllocator::count_map_locked(size_t pages, int64_t start_ns, bool ok) {
+  if (!tracker_ || !tracker_->has_stats()) return;
+  if (ok) {
+    tracker_->add_counter(StatCounter::PagesMapped, pages);
+    tracker_->observe(StatHist::MapLatency, mono_ns() - start_ns);
+  } else {
+    tracker_->add_counter(StatCounter::MapFailures, 1);
+  }
+}
+
+void PageAllocator::count_unmap_locked(size_t pages, int64_t start_ns, bool ok, size_t quarantined) {
+  if (!tracker_ || !tracker_->has_stats()) return;
+  if (ok) {
+    tracker_->add_counter(StatCounter::PagesUnmapped, pages);
+    tracker_->observe(StatHist::UnmapLatency, mono_ns() - start_ns);
+  } else {
+    tracker_->add_counter(StatCounter::UnmapFailures, 1);
+    tracker_->add_counter(StatCounter::PagesQuarantined, quarantined);
+  }
+}
+
 void PageAllocator::start_prealloc_thread() {
   if (!opts_.allow_prealloc) invalid("this PageAllocator maps through Python callbacks and cannot pre-map in the background");
   std::lock_guard<std::mutex> g(mu_);
@@ -321,11 +354,14 @@ void PageAllocator::prealloc_loop() {
     ++premapping_;
     lk.unlock();
     bool ok = true;
+    int64_t t0 = mono_ns();
     try {
       mapper_->map(offsets_of({id}));
     } catch (const Error& e) {
       ok = false;
       lk.lock();
+      // Tensors not created yet (Shutdown kind) is a wait, not a failure.
+      if (e.kind() != ErrorKind::Shutdown) count_map_locked(1, t0, false);
       --premapping_;
       last_error_ = e.what();
       put_free_locked(id);
@@ -337,6 +373,7 @@ void PageAllocator::prealloc_loop() {
     }
     if (ok) {
       lk.lock();
+      count_map_locked(1, t0, true);
       --premapping_;
       state_[id] = State::Reserved;
       reserved_.push_back(id);

@@ -92,6 +92,8 @@ def problems(records: Sequence[RecordView]) -> List[str]:
             out.append(f"! {printable(r.name)}: invalid, ignored by budgets: {printable(r.problem, 300)}")
         elif r.busy:
             out.append(f"! {printable(r.name)}: busy: a limit write did not finish (limit and revision may not pair)")
+        if r.stats_problem and not r.problem:
+            out.append(f"! {printable(r.name)}: statistics not shown: {printable(r.stats_problem, 300)}")
         if r.quarantined:
             out.append(
                 f"! {printable(r.name)}: {format_size(r.quarantined)} could not be released (driver error); "

@@ -119,12 +119,18 @@ class ElasticInstance:
         """Idle, after the adapter evicted what it wanted to: releases every
         emptied page (when no step is in flight), the mapped reserve and unused
         budget. Returns the pages given back."""
-        before = sum(p.mapped_pages() for p in self.pools)
+        before = [p.mapped_pages() for p in self.pools]
         if self.fence.in_flight <= 0:
             self.fence.idle()
         for p in self.pools:
             p.give_back()
-        return before - sum(p.mapped_pages() for p in self.pools)
+        returned = 0
+        for p, b in zip(self.pools, before):
+            n = b - p.mapped_pages()
+            returned += n
+            if p.limits is not None:
+                p.limits.stats.gave_back(n * p.bytes_per_page)  # the record's give-back counters
+        return returned
 
     def start_idle_watch(
         self, busy: Callable[[], bool], has_memory: Callable[[], bool], schedule: Callable[[IdleAction], None]

@@ -81,7 +81,9 @@ class ElasticPool:
         cell = int(getattr(self.manager, "cell_size", 0) or 0)
         tokens_per_page = max(1, int(self.manager.page_size) // cell) if cell > 0 else 1
         pages = -(-max(0, int(need_tokens)) // tokens_per_page)
-        self.limits.note_shortage(pages * self.bytes_per_page)
+        # +1: the engine places blocks, not tokens; its first block may need a fresh page
+        # while the tokens alone would fit the room left (a want of 0 would never be published).
+        self.limits.note_shortage((pages + 1) * self.bytes_per_page if pages else 0)
 
     def clear_want(self) -> None:
         if self.limits is not None:

@@ -14,6 +14,11 @@ watcher wakes at once and applies it:
 InstanceLimits is the only caller of ``PageAllocator.set_mem_limit`` for the
 allocator it is attached to; the cap it sets is ``min(limit, grant)`` where the
 grant is this instance's share of the device budget (see ``budget.py``).
+
+Why this module is long: limit, grant, cap and want of one record form one
+state machine under one lock (the watcher, the budget gate and the shortage
+path all change it); split, that lock would be shared across modules. What
+only counts (the record's statistics) lives in ``record_stats.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from kvcached import _C
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits.budget import DeviceBudget
 from kvcached.limits.owned_record import create_record, record_trusted
+from kvcached.limits.record_stats import REFUSED_BUDGET, REFUSED_LIMIT, RecordStats
 from kvcached.limits.records import RecordView, parse_device
 from kvcached.limits.units import format_size
 from kvcached.naming import group_name as group_record_name
@@ -140,6 +146,8 @@ class InstanceLimits:
         self._peer_sum = (-1.0, 0)  # (monotonic time, bytes held by the other members)
         self._shortage_check = (-1.0, False)  # (monotonic time, want published)
         self._wanting = False  # the record shows a want
+        # The record's refusal (batched) and give-back counters.
+        self.stats = RecordStats(self._tracker)
         # Called on the watcher thread when a peer short of budget wakes this
         # instance (the engine looks for cache to give back: see budget.py).
         self.on_peer_short: Optional[Callable[[], None]] = None
@@ -235,8 +243,10 @@ class InstanceLimits:
                     # for everything unused back, the reserve pool too. On the
                     # idle timeout (or a spurious return) keep one quantum.
                     if self._tracker.wake_count() != wakes:
+                        before = self._mapped_bytes()
                         self._reclaim()
                         self.release_slack(0, trim_reserve=True)
+                        self.stats.gave_back(before - self._mapped_bytes())
                         hook = self.on_peer_short
                         if hook is not None:
                             hook()
@@ -355,18 +365,26 @@ class InstanceLimits:
         hold unused. Cheap on every miss: the budget is read at most every
         0.25 s and the last answer repeated in between. Returns whether a
         want is published.
+        Each call counts one refused request by the last check's cause
+        (kvcached.limits.record_stats), added to the record in batches.
         """
-        if self.budget is None or self._pa is None or self._closed:
+        if self._pa is None or self._closed:
             return False
         now = time.monotonic()
         t, answer = self._shortage_check
         if now - t < _SHORTAGE_CHECK_S:
+            self.stats.refused()  # under the cause of the last check
             return answer
         need = max(int(need_bytes), self._bpp)
-        room = self.budget.budget_bytes - self.budget.held_bytes(exclude=self.name)
-        # What the limit would allow for this need, minus what the budget allows.
-        lacking = min(self._limit, self._mapped_bytes() + need) - room
-        answer = lacking > 0
+        over_limit = int(self._pa.get_num_inuse_pages()) * self._bpp + need > self._limit
+        answer, lacking = False, 0
+        if self.budget is not None:
+            room = self.budget.budget_bytes - self.budget.held_bytes(exclude=self.name)
+            # What the limit would allow for this need, minus what the budget allows.
+            lacking = min(self._limit, self._mapped_bytes() + need) - room
+            answer = lacking > 0
+        self.stats.judged(REFUSED_BUDGET if answer else REFUSED_LIMIT if over_limit else "")
+        self.stats.refused()
         if answer:
             self._publish_want(lacking)
         elif self._wanting:
@@ -376,8 +394,9 @@ class InstanceLimits:
 
     def clear_want(self) -> None:
         """The owner's load no longer misses memory (call it after a scheduling
-        step that placed everything it tried): withdraws a published want.
-        Cheap: one attribute test when nothing is wanted."""
+        step that placed everything it tried): withdraws a published want and
+        adds the batch of refusals to the record. Cheap when neither is there."""
+        self.stats.flush()
         if self._wanting:
             self._set_want(0)
             self._shortage_check = (-1.0, False)  # the next miss is checked afresh
@@ -464,6 +483,7 @@ class InstanceLimits:
         with self._lock:
             if self._closed:
                 return
+            self.stats.flush()
             self._closed = True
             self._stopping = True
         w = self._watcher

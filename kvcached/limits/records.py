@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvcached import _C
@@ -47,6 +47,46 @@ def parse_device(device: object) -> Tuple[int, int]:
     return DEVICE_CUDA, int(dev.partition(":")[2])
 
 
+_LAYOUT: Optional[Dict[str, Any]] = None
+
+
+def stats_layout() -> Dict[str, Any]:
+    """The record statistics' names and histogram bounds (the extension's, fixed
+    per record version): ``{"counters": [name...], "histograms": [(name,
+    [upper bound ns, ...])...]}``."""
+    global _LAYOUT
+    if _LAYOUT is None:
+        _LAYOUT = _C.record_stats_layout()
+    return _LAYOUT
+
+
+@dataclass(frozen=True)
+class HistogramView:
+    """One fixed-bucket histogram of a record: ``buckets[i]`` observations of at
+    most ``bounds_s[i]`` seconds (cumulative, as Prometheus wants them), one
+    more entry for +Inf (equal to ``count``); ``sum_s`` their total."""
+
+    bounds_s: List[float]
+    buckets: List[int]
+    count: int
+    sum_s: float
+
+
+def _stats_of(s: _C.MemInfoSnapshot) -> Tuple[Dict[str, int], Dict[str, HistogramView]]:
+    if not s.has_stats:
+        return {}, {}
+    layout = stats_layout()
+    counters = dict(zip(layout["counters"], s.counters))
+    hists: Dict[str, HistogramView] = {}
+    for (name, bounds), per_bucket, sum_ns in zip(layout["histograms"], s.hist_buckets, s.hist_sum_ns):
+        cum, total = [], 0
+        for n in per_bucket:
+            total += n
+            cum.append(total)
+        hists[name] = HistogramView([b / 1e9 for b in bounds], cum, total, sum_ns / 1e9)
+    return counters, hists
+
+
 @dataclass(frozen=True)
 class RecordView:
     """One record as read at one moment. Bytes everywhere.
@@ -69,6 +109,13 @@ class RecordView:
     limit write did not finish within the readers' bound (a writer stopped or
     killed between its two updates); limit and revision may not pair up.
     ``owner_uid``: the uid owning the file (-1: unknown).
+
+    Statistics (records of version 2; a version-1 record, made by an older
+    kvcached, has none): ``counters`` by name (pages mapped/unmapped, failures,
+    refusals, give-backs; ``stats_layout()`` lists them), ``histograms`` by
+    name, ``want_since_ns`` (when the current want began; 0: none).
+    ``stats_problem`` says why a version-2 block is not trusted (then both are
+    empty; the record's other fields are checked on their own).
     """
 
     name: str
@@ -93,6 +140,11 @@ class RecordView:
     owner_uid: int = -1
     problem: str = ""
     busy: bool = False
+    record_version: int = 0
+    stats_problem: str = ""
+    want_since_ns: int = 0
+    counters: Dict[str, int] = field(default_factory=dict, hash=False)
+    histograms: Dict[str, HistogramView] = field(default_factory=dict, hash=False)
 
     @property
     def valid(self) -> bool:
@@ -162,6 +214,7 @@ class RecordView:
 
     @classmethod
     def from_snapshot(cls, s: _C.MemInfoSnapshot) -> RecordView:
+        counters, hists = _stats_of(s)
         return cls(
             name=s.name,
             engine=s.engine,
@@ -185,6 +238,11 @@ class RecordView:
             owner_uid=s.owner_uid,
             problem=s.problem,
             busy=s.busy,
+            record_version=s.record_version,
+            stats_problem=s.stats_problem,
+            want_since_ns=s.want_since_ns,
+            counters=counters,
+            histograms=hists,
         )
 
     @classmethod

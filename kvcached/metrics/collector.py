@@ -13,8 +13,9 @@ import os
 import time
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvcached.limits.records import RecordView, list_records
 
@@ -34,6 +35,26 @@ _BYTE_GAUGES: List[Tuple[str, str, Callable[[RecordView], int]]] = [
     ("virtual_bytes", "Virtual KV capacity of the instance.", lambda r: r.total),
     ("quarantined_bytes", "Bytes that could not be released (failed driver call), held until exit.",
      lambda r: r.quarantined),
+]  # fmt: skip
+
+
+# The record's counters (version 2): (metric stem, help, record counter name).
+# Every process holding the record adds to them, so they are per instance.
+_COUNTERS: List[Tuple[str, str, str]] = [
+    ("pages_mapped", "Pages mapped (a page spans every layer and K/V buffer).", "pages_mapped"),
+    ("pages_unmapped", "Pages unmapped.", "pages_unmapped"),
+    ("map_failures", "Map calls that failed (rolled back: nothing mapped).", "map_failures"),
+    ("unmap_failures", "Unmap calls that failed (rolled back, or the pages quarantined).", "unmap_failures"),
+    ("quarantined_pages", "Pages lost to an unmap whose rollback failed (held until exit).", "pages_quarantined"),
+    ("idle_give_backs", "Give-backs that returned memory (idle, or at a peer's request).", "give_backs"),
+    ("given_back_bytes", "Bytes those give-backs unmapped.", "given_back_bytes"),
+]  # fmt: skip
+_REFUSALS = (("limit", "refused_limit"), ("budget", "refused_budget"))
+_HISTOGRAMS: List[Tuple[str, str]] = [
+    ("map_seconds", "Duration of one map call (a batch of pages, every layer and rank), successful ones."),
+    ("unmap_seconds", "Duration of one unmap call, successful ones."),
+    ("want_served_seconds", "From a want's publication (the device budget stopped the load) to its withdrawal "
+     "(the load got its memory: peers gave back, or it ended)."),
 ]  # fmt: skip
 
 
@@ -59,6 +80,7 @@ class KvcachedCollector(Collector):
         self._prefix = prefix
         self._guarded = guarded
         self._warned = False
+        self._stats_warned: set = set()  # (name, problem) logged once
 
     def _records(self) -> List[RecordView]:
         return [r for r in list_records() if r.name.startswith(self._prefix)]
@@ -137,7 +159,53 @@ class KvcachedCollector(Collector):
                     wakes.add_metric([r.name, r.engine, r.device], float(n))
         yield wakes
 
+        yield from self._stats_families(trusted)
         yield from _device_families(records, uid, now)
+
+    def _stats_families(self, trusted: List[RecordView]) -> Iterator[Metric]:
+        """The record statistics (version-2 records); a block that fails its
+        checks shows as ``kvcached_stats_valid`` 0 and is logged once."""
+        valid = GaugeMetricFamily(
+            "kvcached_stats_valid",
+            "1: the record's statistics block passed its checks; 0: it did not (see kvctl list); "
+            "absent: a version-1 record (an older kvcached) has none.",
+            labels=INSTANCE_LABELS,
+        )
+        with_stats = []
+        for r in trusted:
+            if r.stats_problem:
+                valid.add_metric([r.name, r.engine, r.device], 0.0)
+                if (r.name, r.stats_problem) not in self._stats_warned:
+                    self._stats_warned.add((r.name, r.stats_problem))
+                    logging.getLogger(__name__).warning("kvcached: record %s: %s", r.name, r.stats_problem)
+            elif r.counters:
+                valid.add_metric([r.name, r.engine, r.device], 1.0)
+                with_stats.append(r)
+        yield valid
+        for stem, doc, key in _COUNTERS:
+            c = CounterMetricFamily(f"kvcached_{stem}", doc, labels=INSTANCE_LABELS)
+            for r in with_stats:
+                c.add_metric([r.name, r.engine, r.device], float(r.counters.get(key, 0)))
+            yield c
+        refused = CounterMetricFamily(
+            "kvcached_refused_allocations",
+            "Requests the engine could not place, by cause: the instance's own limit, or the device budget "
+            "(preemptions and waits kvcached caused).",
+            labels=INSTANCE_LABELS + ["reason"],
+        )
+        for r in with_stats:
+            for reason, key in _REFUSALS:
+                refused.add_metric([r.name, r.engine, r.device, reason], float(r.counters.get(key, 0)))
+        yield refused
+        for stem, doc in _HISTOGRAMS:
+            h = HistogramMetricFamily(f"kvcached_{stem}", doc, labels=INSTANCE_LABELS)
+            for r in with_stats:
+                v = r.histograms.get(stem)
+                if v is None:
+                    continue
+                les = [floatToGoString(b) for b in v.bounds_s] + ["+Inf"]
+                h.add_metric([r.name, r.engine, r.device], list(zip(les, map(float, v.buckets))), v.sum_s)
+            yield h
 
 
 def _wake_count(name: str) -> Optional[int]:

@@ -31,6 +31,9 @@ OFFLINE_ENV = {
 }
 
 
+ENV_ENGINE_PYTHONPATH = "KVCACHED_TEST_ENGINE_PYTHONPATH"
+
+
 def token_prompts(n: int, length: int = 200, seed: int = 1) -> List[List[int]]:
     """``n`` distinct prompts of BOS + ``length`` token ids (no shared prefix)."""
     rng = random.Random(seed)
@@ -40,13 +43,19 @@ def token_prompts(n: int, length: int = 200, seed: int = 1) -> List[List[int]]:
 def engine_env(kvcached: bool, name: Optional[str] = None, **extra: object) -> Dict[str, str]:
     """This process's environment without any kvcached/vLLM settings or
     PYTHONPATH (the engine imports what is installed), plus the offline
-    switches, kvcached on or off, and ``extra``."""
+    switches, kvcached on or off, and ``extra``.
+
+    ``KVCACHED_TEST_ENGINE_PYTHONPATH`` (opt-in): the engine's PYTHONPATH, so a
+    checkout's kvcached shadows the one installed in a shared, cached venv
+    (run a branch's engine tests without installing it there)."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("ENABLE_KVCACHED", "KVCACHED_", "VLLM_")) and k != "PYTHONPATH"
     }
     env.update(OFFLINE_ENV)
+    if os.environ.get(ENV_ENGINE_PYTHONPATH):
+        env["PYTHONPATH"] = os.environ[ENV_ENGINE_PYTHONPATH]
     if kvcached:
         env["ENABLE_KVCACHED"] = "true"
         if name:

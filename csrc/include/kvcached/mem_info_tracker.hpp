@@ -24,6 +24,15 @@
 //    the writer died between its two `seq` updates and the reader completes
 //    the write (bumps the revision, so the owner re-reads the limit); if not,
 //    the snapshot is marked `busy`.
+//  - Version 2 appends a statistics block (MemInfoStats) to the 312-byte
+//    version-1 record: counters and fixed-bucket histograms that every
+//    process holding the record adds to with atomic adds (pages mapped and
+//    unmapped, failures, refusals, give-backs, latencies), so one read sees
+//    one number per instance whichever processes did the work. A version-1
+//    record (an older kvcached) is still read and written; it has no
+//    statistics. A block that fails its checks is reported in
+//    `stats_problem` (the record itself stays valid: its limit and usage are
+//    checked on their own) and nothing is added to it.
 //  - A record truncated while mapped would raise SIGBUS at the next access; a
 //    SIGBUS handler replaces the vanished page by an anonymous one and marks
 //    the handle detached (its snapshot says so) instead of killing the process.
@@ -37,7 +46,8 @@
 namespace kvcached {
 
 constexpr uint64_t kMemInfoMagic = 0x3144484341435f4bULL;  // "K_CACHD1"
-constexpr uint32_t kMemInfoVersion = 1;
+constexpr uint32_t kMemInfoVersion = 2;    // what create() writes
+constexpr uint32_t kMemInfoVersionV1 = 1;  // an older kvcached's record: read and written, no statistics
 
 struct MemInfoRecord {
   uint64_t magic;
@@ -74,7 +84,65 @@ struct MemInfoRecord {
   std::atomic<int64_t> quarantined;
   char reserved1[16];
 };
-static_assert(sizeof(MemInfoRecord) == 312, "the shared record layout must not change size");
+static_assert(sizeof(MemInfoRecord) == 312, "the version-1 record layout must not change size");
+
+// The statistics of a version-2 record, right after the version-1 fields.
+// Slots beyond the named ones are reserved (zero): a later block version may
+// name them without moving anything.
+constexpr uint64_t kMemStatsMagic = 0x3153544154535f4bULL;  // "K_STATS1"
+constexpr uint32_t kMemStatsVersion = 1;
+constexpr int kStatCounterSlots = 16;
+constexpr int kStatHistSlots = 4;
+constexpr int kStatBuckets = 16;  // finite upper bounds; one more bucket counts the rest (+Inf)
+
+enum class StatCounter : int {
+  PagesMapped = 0,   // pages mapped (all layers and K/V of a page count once)
+  PagesUnmapped,     // pages unmapped
+  MapFailures,       // map calls that failed (rolled back)
+  UnmapFailures,     // unmap calls that failed (rolled back, or quarantined)
+  RefusedLimit,      // requests not placed: the instance's own limit stopped them
+  RefusedBudget,     // requests not placed: the device budget stopped them
+  GiveBacks,         // idle give-backs (a peer wanted memory, or a lowered limit)
+  GivenBackBytes,    // bytes those give-backs unmapped
+  PagesQuarantined,  // pages lost to an unmap whose rollback failed
+  Count
+};
+enum class StatHist : int {
+  MapLatency = 0,  // one map call (a batch of pages), success only
+  UnmapLatency,    // one unmap call, success only
+  WantServed,      // a want published until it was withdrawn (the load got its memory)
+  Count
+};
+static_assert(static_cast<int>(StatCounter::Count) <= kStatCounterSlots, "counter slots");
+static_assert(static_cast<int>(StatHist::Count) <= kStatHistSlots, "histogram slots");
+
+struct MemInfoStats {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t size;  // sizeof(MemInfoStats)
+  uint32_t counter_slots;
+  uint32_t hist_slots;
+  uint32_t buckets;
+  uint32_t reserved0;
+  // CLOCK_REALTIME when the current want began (0: none); the owner's set_wanted keeps it.
+  std::atomic<int64_t> want_since_ns;
+  std::atomic<uint64_t> counters[kStatCounterSlots];
+  struct Hist {
+    std::atomic<uint64_t> bucket[kStatBuckets + 1];  // per bucket, not cumulative
+    std::atomic<uint64_t> sum_ns;
+  } hist[kStatHistSlots];
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free 64-bit atomics");
+constexpr size_t kMemInfoV2Size = sizeof(MemInfoRecord) + sizeof(MemInfoStats);
+// One page: the SIGBUS guard covers the first page of a mapping.
+static_assert(kMemInfoV2Size <= 4096, "a version-2 record must fit one page");
+
+// Names (the collector's metric stems) and upper bounds (ns) of the buckets.
+const char* stat_counter_name(StatCounter c);
+const char* stat_hist_name(StatHist h);
+const int64_t* stat_hist_bounds_ns(StatHist h);  // kStatBuckets ascending bounds
+// A counter, bucket or sum above this is corruption (2^62: centuries of events).
+constexpr uint64_t kMaxStatCount = uint64_t(1) << 62;
 
 struct MemInfoSnapshot {
   std::string name;
@@ -97,6 +165,15 @@ struct MemInfoSnapshot {
   int64_t wanted_ns = 0;
   int64_t quarantined = 0;
   int64_t owner_uid = -1;  // uid owning the file
+  uint32_t record_version = 0;
+  // Statistics (version 2): valid only when has_stats; stats_problem says
+  // why a version-2 block is not trusted (empty for version 1: no block).
+  bool has_stats = false;
+  std::string stats_problem;
+  int64_t want_since_ns = 0;
+  std::vector<int64_t> counters;                  // StatCounter::Count entries
+  std::vector<std::vector<int64_t>> hist_buckets;  // per histogram: kStatBuckets + 1, not cumulative
+  std::vector<int64_t> hist_sum_ns;
   std::string problem;     // why the record cannot be trusted; empty: valid
   bool busy = false;       // a limit write did not finish within the readers' bound
 };
@@ -147,18 +224,27 @@ class MemInfoTracker {
   // Publishes the bytes the owner lacks now (0: none) with the time.
   void set_wanted(int64_t bytes);
   void set_quarantined(int64_t bytes);
+  // Statistics (version 2; no-ops on a version-1 record). Atomic adds to the
+  // shared block: any process holding the record may call them, and callers
+  // add in batches (one call per map/unmap call, not per page).
+  bool has_stats() const { return stats_ != nullptr; }
+  void add_counter(StatCounter c, uint64_t n);
+  void observe(StatHist h, int64_t ns);
   // Removes the name from /dev/shm (open mappings stay valid).
   void unlink();
 
  private:
-  MemInfoTracker(std::string name, int fd, MemInfoRecord* rec, int guard, bool owner);
+  MemInfoTracker(std::string name, int fd, MemInfoRecord* rec, size_t size, int guard, bool owner);
   // Waits (bounded) for an even seq, repairing a write a dead writer left
   // half done; returns the even seq, or an odd one if still busy.
   uint32_t settled_seq(bool may_repair) const;
   bool detached() const;
+  void read_stats(MemInfoSnapshot& s) const;
   std::string name_;
   int fd_ = -1;
   MemInfoRecord* rec_ = nullptr;
+  size_t size_ = 0;                // bytes mapped: the record's size for its version
+  MemInfoStats* stats_ = nullptr;  // the block of a version-2 record whose header checks passed
   int guard_ = -1;      // SIGBUS guard slot of the mapping (-1: none)
   bool owner_ = false;  // made by create(): the file must stay ours
 };

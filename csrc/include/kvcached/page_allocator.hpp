@@ -107,6 +107,11 @@ class PageAllocator {
   void publish_locked();
   // After a failed map or any unmap: the record's quarantined bytes.
   void publish_quarantine_locked();
+  // The record's statistics after a map/unmap call (one batch of pages):
+  // a few atomic adds to the shared block, only on the paths that called the
+  // mapper, never on the reserve fast path.
+  void count_map_locked(size_t pages, int64_t start_ns, bool ok);
+  void count_unmap_locked(size_t pages, int64_t start_ns, bool ok, size_t quarantined);
 
   PageAllocatorOptions opts_;
   std::shared_ptr<Mapper> mapper_;

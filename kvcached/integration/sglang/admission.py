@@ -15,6 +15,9 @@ those reads:
 * ``patch_check_decode_mem`` (0.5.15-0.5.18): ``ScheduleBatch.check_decode_mem``
   asks the allocator's ``check_decode_capacity``, as 0.5.19 does, so a decode
   step that does not fit retracts requests instead of crashing in ``alloc``.
+
+When requests wait, ``tokens_wanted`` says how much the load needs, for the want
+published to idle peers sharing the device budget (``scheduler_hooks.note_waiting``).
 """
 
 from __future__ import annotations
@@ -68,3 +71,30 @@ def patch_check_decode_mem(mod: ModuleType) -> None:
         return check_decode_mem
 
     wrap_method(mod.ScheduleBatch, "check_decode_mem", make)
+
+
+# Waiting requests summed for a want (the queue may be long; the want saturates at the limit).
+_WANT_SCAN = 256
+
+
+def tokens_wanted(scheduler: Any, queue: Any) -> int:
+    """Tokens the load needs beyond what it holds: every waiting request whole, and what
+    the running ones still grow by. SGLang admits a request only when its prompt and the
+    running requests' remaining outputs fit, so a request can wait while one more page
+    (or its own size) still maps: asking for less would never reach an idle peer."""
+    running = getattr(getattr(scheduler, "running_batch", None), "reqs", None) or ()
+    # Only the requests that could start: past max_running_requests, memory is not why they wait.
+    startable = int(getattr(scheduler, "max_running_requests", 0) or _WANT_SCAN) - len(running)
+    try:
+        need = sum(_left(r) for r in running)
+        for i, r in enumerate(queue):
+            if i >= min(_WANT_SCAN, startable):
+                break
+            need += len(r.origin_input_ids) + len(r.output_ids) + _left(r)
+        return need
+    except (AttributeError, TypeError):
+        return 0  # an unexpected request object: one page
+
+
+def _left(req: Any) -> int:
+    return max(0, int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids))

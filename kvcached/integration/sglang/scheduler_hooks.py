@@ -54,6 +54,7 @@ from typing import Any, Dict
 from kvcached.elastic import IdleAction, cache_excess_tokens
 from kvcached.elastic.cache_bound import max_cached_tokens
 from kvcached.integration.patch_base import summary_of
+from kvcached.integration.sglang.admission import tokens_wanted
 from kvcached.integration.sglang.eviction import evict_tokens, evict_until, prefix_sharing
 from kvcached.integration.sglang.pool import elastic_groups, instance
 
@@ -123,20 +124,21 @@ def note_waiting(scheduler: Any) -> bool:
     waiting = bool(len(queue))
     inst = instance()
     if waiting:
-        inst.note_shortage(_tokens_needed(queue[0]))
+        inst.note_shortage(tokens_wanted(scheduler, queue))
+        retry_admission(scheduler)
     inst.end_step()
     return waiting
 
 
-def _tokens_needed(req: Any) -> int:
-    """What the head of the queue needs to run to its end: its prompt and output left.
-    (SGLang admits a request only when that fits, scaled by its new-token ratio.)"""
-    try:
-        done = len(req.origin_input_ids) + len(req.output_ids)
-        left = int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
-        return done + max(0, left)
-    except (AttributeError, TypeError):
-        return 0  # an unexpected request: one page
+def retry_admission(scheduler: Any) -> None:
+    """SGLang marks its running batch full when a request gets no tokens, and clears the
+    mark only when its own requests finish or retract: natively no memory appears
+    otherwise. Under kvcached it does (a peer gives its cache back, a limit is raised),
+    so with nothing running the mark would stop admission for good. Cleared while
+    requests wait: the next step tries again, stopping at the first that does not fit."""
+    batch = getattr(scheduler, "running_batch", None)
+    if batch is not None and getattr(batch, "batch_is_full", False):
+        batch.batch_is_full = False
 
 
 def give_back_to_peers(tree_cache: Any) -> int:
