@@ -210,11 +210,9 @@ def read_layer_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks: in
             # spec for the whole group (vLLM's generate_scheduler_kv_cache_config
             # drops UniformTypeKVCacheSpecs), so the block size is read from the
             # tensor itself, the same way in the scheduler and in the workers.
-            if (
-                int(t.block_stride) * num_blocks > int(t.layer_stride)
-                and len(t.layers) > 1
-                or (int(t.offset) + int(t.block_stride) * num_blocks > int(t.size))
-            ):
+            interleaved = len(t.layers) > 1 and int(t.block_stride) * num_blocks > int(t.layer_stride)
+            past_end = int(t.offset) + int(t.block_stride) * num_blocks > int(t.size)
+            if interleaved or past_end:  # a block's bytes are not one run of this tensor's layer
                 raise InvalidArgumentError(
                     f"kvcached does not support layers of different KV head sizes in a block-outermost KV cache "
                     f"layout (tensor of {t.layers[0]}); use a layer-outermost layout (VLLM_KV_CACHE_LAYOUT=LBHNC) "

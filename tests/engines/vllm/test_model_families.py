@@ -22,8 +22,6 @@ import os
 import pytest
 import vllm_engine_helpers as h
 
-import kvcached
-
 # family -> (builder kwargs, driver args); blocks chosen so that workload A (8
 # requests) cannot run at once: preemption in both runs.
 CASES = {
@@ -37,13 +35,6 @@ CASES = {
 # blocks (pages evened out with the global group), longer than workload A's 131-token
 # prompts, so neither run can hit (prefix caching stays on; tokens are still compared).
 NO_FULL_BLOCK_OF_EVERY_GROUP = {"gemma4"}
-
-
-def _kvcached_path_env() -> dict:
-    """The engine processes import the kvcached this test imports (a source
-    checkout on PYTHONPATH, or the installed wheel)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(kvcached.__file__)))
-    return {} if root.endswith("site-packages") else {"PYTHONPATH": root}
 
 
 def _model(workdir: str, kind: str) -> str:
@@ -92,10 +83,10 @@ def runs(request, workdir):
     kind, args = CASES[request.param]
     model = _model(workdir, kind)
     base = os.path.join(workdir, request.param)
-    env = h.engine_env(False, VLLM_ENABLE_V1_MULTIPROCESSING="0", **_kvcached_path_env())
+    env = h.engine_env(False, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     native = _driver(model, base + "_native.json", env, args)
     name = f"kvt_family_{request.param.replace('-', '_')}_{os.getpid()}"
-    env = h.engine_env(True, name, KVCACHED_HOST_MEMORY_BUDGET="256M", **_kvcached_path_env())
+    env = h.engine_env(True, name, KVCACHED_HOST_MEMORY_BUDGET="256M")
     kv = _driver(model, base + "_kvcached.json", env, (*args, "--name", name))
     with open(base + "_kvcached.json.log", errors="replace") as f:
         kv["log"] = f.read()
