@@ -435,15 +435,8 @@ def test_plan_unaligned_layer_regions_share_pages():
 def test_plan_refuses_what_it_cannot_back():
     with pytest.raises(InvalidArgumentError, match="reaches byte"):
         KVLayoutPlan(1 * MiB, 512, 64 * KiB, 128, 2 * MiB, [Placement(0, 2, 32 * MiB, 64 * KiB, 64 * KiB)])
-    with pytest.raises(InvalidArgumentError, match="one block size per pool"):
-        KVLayoutPlan(
-            64 * MiB,
-            512,
-            64 * KiB,
-            128,
-            2 * MiB,
-            [Placement(0, 1, 0, 64 * KiB, 64 * KiB), Placement(0, 1, 0, 64 * KiB, 32 * KiB)],
-        )
+    with pytest.raises(InvalidArgumentError, match="not within the plan's block size"):
+        KVLayoutPlan(64 * MiB, 512, 32 * KiB, 128, 2 * MiB, [Placement(0, 1, 0, 64 * KiB, 64 * KiB)])
     spec = FullAttentionSpec(page_size_bytes=64 * KiB, block_size=128, has_layer_views=True)
     cfg = SimpleNamespace(
         num_blocks=512,
@@ -538,14 +531,21 @@ def _kv_config(*group_specs) -> SimpleNamespace:
 @pytest.mark.parametrize(
     "specs, match",
     [
-        (("SlidingWindowSpec",), r"^kvcached does not support sliding-window attention yet \(KV cache spec Sliding"),
+        (("ChunkedLocalAttentionSpec",), r"^kvcached does not support chunked local attention yet \(KV cache spec Ch"),
         (("MambaSpec",), r"Mamba / linear-attention state yet \(KV cache spec MambaSpec\)"),
         (("SinkFullAttentionSpec",), "attention sinks"),
-        (("SomeFutureSpec",), r"a KV cache type other than full attention yet \(KV cache spec SomeFutureSpec\)"),
-        (("FullAttentionSpec", "SlidingWindowSpec"), r"hybrid models yet: this model has 2 KV cache groups \("),
+        (("SlidingWindowMLASpec",), "sliding-window MLA attention"),
+        (
+            ("SomeFutureSpec",),
+            r"a KV cache type other than full and sliding-window attention yet \(KV cache spec SomeFutureSpec\)",
+        ),
+        (
+            ("FullAttentionSpec", "MambaSpec"),
+            r"Mamba / linear-attention state yet \(KV cache spec MambaSpec in a model of 2 KV cache groups \(",
+        ),
     ],
 )
-def test_plan_refuses_models_other_than_one_full_attention_group_in_one_line(specs, match):
+def test_plan_refuses_kv_cache_kinds_not_proven_in_one_line(specs, match):
     kw = dict(page_size_bytes=64 * KiB, block_size=128)
     cfg = _kv_config(*(_spec_class(n)(**kw) for n in specs))
     with pytest.raises(InvalidArgumentError, match=match) as e:
@@ -556,6 +556,10 @@ def test_plan_refuses_models_other_than_one_full_attention_group_in_one_line(spe
         KVLayoutPlan.from_kv_cache_config(_kv_config(_spec_class(name)(**kw)), 2 * MiB)
     uniform = _spec_class("UniformTypeKVCacheSpecs")(kv_cache_specs={"g0.l0": FullAttentionSpec(**kw)}, **kw)
     KVLayoutPlan.from_kv_cache_config(_kv_config(uniform), 2 * MiB)
+    # Local + global layers (two groups sharing the pool, aliasing the same bytes) are backed.
+    sliding = _spec_class("SlidingWindowSpec")(sliding_window=64, **kw)
+    plan = KVLayoutPlan.from_kv_cache_config(_kv_config(FullAttentionSpec(**kw), sliding), 2 * MiB)
+    assert plan.physical_pages(1) == (1,)  # both groups' block 32 live on the same page
 
 
 def _vllm_config(**over) -> SimpleNamespace:
@@ -775,3 +779,62 @@ def test_allocate_slots_rollback_restores_the_request_exactly():
     m._partial_hit_reqs["w"] = (0, "h")
     _rollback(m, "w", snap, pool)
     assert "w" not in m.req_to_blocks and "w" not in m.num_cached_block and "w" not in m._partial_hit_reqs
+
+
+def test_plan_of_layers_with_different_block_sizes_pages_by_the_largest_block():
+    # Gemma-4 style: one layer of 64 KiB blocks (global, head 64) and one of 32 KiB
+    # blocks (local, head 32), each its own tensor, layer-outermost, 128 KiB pages.
+    big, small = 64 * KiB, 32 * KiB
+    n = 16
+    placements = [Placement(0, 1, 0, big, big), Placement(n * big, 1, 0, small, small)]
+    plan = KVLayoutPlan(n * (big + small), n, big, 128, 128 * KiB, placements)
+    assert plan.geometry.max_blocks_per_page == 2  # the largest block sets the page geometry
+    # Logical page 1 = blocks 2-3: 128 KiB of the big layer (page 1) and 64 KiB of the small one,
+    # the second half of page 8 (which logical page 0 shares).
+    assert plan.physical_pages(1) == (1, 8)
+    assert plan.physical_pages(0) == (0, 8)
+
+
+def test_a_block_larger_than_a_page_is_refused_naming_the_page_size_to_use():
+    spec = FullAttentionSpec(page_size_bytes=256 * KiB, block_size=128, has_layer_views=True)
+    cfg = SimpleNamespace(
+        num_blocks=8,
+        kv_cache_tensors=[
+            SimpleNamespace(size=2 * MiB, layers=["g0.l0"], layer_stride=0, block_stride=256 * KiB, offset=0)
+        ],
+        kv_cache_groups=[SimpleNamespace(layer_names=["g0.l0"], kv_cache_spec=spec)],
+    )
+    with pytest.raises(InvalidArgumentError, match=r"does not fit in a page; .*KVCACHED_PAGE_SIZE=262144") as e:
+        KVLayoutPlan.from_kv_cache_config(cfg, 128 * KiB)
+    assert "\n" not in str(e.value)
+
+
+def test_a_group_of_layers_of_different_head_sizes_reads_block_sizes_from_its_tensors():
+    # vLLM's scheduler config names one arbitrary layer's spec (64 KiB blocks) for a
+    # group whose layers 1 and 3 have 128 KiB blocks (Gemma 4 with the hybrid manager
+    # off, as vLLM 0.32 lays it out): the plan must be the workers' plan all the same.
+    n, small, big = 24, 64 * KiB, 128 * KiB
+    collapsed = FullAttentionSpec(page_size_bytes=small, block_size=128, has_layer_views=True)
+    names = ["l0", "l2", "l1", "l3"]
+    tensors = [
+        SimpleNamespace(size=n * 3 * 2 * small, layers=names[:2], layer_stride=n * small, block_stride=small, offset=0),
+        SimpleNamespace(
+            size=n * 3 * 2 * small, layers=names[2:], layer_stride=n * big, block_stride=big, offset=2 * n * small
+        ),
+    ]
+    cfg = SimpleNamespace(
+        num_blocks=n,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=collapsed)],
+    )
+    plan = KVLayoutPlan.from_kv_cache_config(cfg, 128 * KiB)
+    assert [p.block_bytes for p in plan.placements] == [small, big]
+    assert plan.geometry.max_blocks_per_page == 1
+    # Block 5: layer 0 at 320 KiB (page 2), layer 2 at 1856 KiB (page 14), layer 1 at
+    # 3 MiB + 640 KiB (page 29), layer 3 at 6 MiB + 640 KiB (page 53).
+    assert plan.physical_pages(5) == (2, 14, 29, 53)
+    # The same tensors in a block-outermost layout cannot be read: refused in one line.
+    for t in tensors:
+        t.layer_stride, t.block_stride = t.block_stride, 6 * small
+    with pytest.raises(InvalidArgumentError, match="different KV head sizes in a block-outermost"):
+        KVLayoutPlan.from_kv_cache_config(cfg, 128 * KiB)

@@ -8,6 +8,17 @@ offset)`` says: layer ``l``'s block ``b`` starts at byte
 one CPU attention accepts) give each layer a contiguous region; block-
 outermost ones (BLHNC, ...) make a block one run of all layers' bytes.
 
+Models with several KV geometries give several tensors. Layers of different
+head sizes in one group (``UniformTypeKVCacheSpecs``: e.g. Gemma 4's global
+layers) have blocks of different ``block_bytes``, one tensor per geometry.
+Several KV cache groups (local + global layers, each group its own block
+table) share one block pool: vLLM gives their tensors the same bytes ("groups
+alias from byte 0"), a block id being held by one group at a time. Either way
+the plan is the union of the placements, each with its own block size; the
+ledger's page geometry is that of the *largest* block, so no block of any
+tensor straddles a page, and a smaller tensor's blocks of neighbouring logical
+pages share a physical page (reference counted in the worker).
+
 kvcached backs that buffer with one FTensor of the same size, so vLLM's own
 views (and strides) stay exactly as it made them. The scheduler's block
 ledger (``KVCacheManager``) thinks in *logical pages*: logical page ``p``
@@ -71,12 +82,12 @@ class KVLayoutPlan:
         if not placements:
             raise InvalidArgumentError("KV layout: no KV cache tensor to back")
         for p in placements:
-            if p.block_bytes != block_bytes:
+            if not 0 < p.block_bytes <= block_bytes:
                 raise InvalidArgumentError(
-                    f"KV layout: tensors with {p.block_bytes}-byte and {block_bytes}-byte blocks share one "
-                    "block pool; kvcached needs one block size per pool (unset ENABLE_KVCACHED for this model)"
+                    f"KV layout: a tensor's {p.block_bytes}-byte blocks are not within the plan's block size "
+                    f"{block_bytes} B (the largest block of the pool)"
                 )
-            last = p.offset + (p.num_layers - 1) * p.layer_stride + (num_blocks - 1) * p.block_stride + block_bytes
+            last = p.offset + (p.num_layers - 1) * p.layer_stride + (num_blocks - 1) * p.block_stride + p.block_bytes
             if p.offset < 0 or p.layer_stride < 0 or p.block_stride <= 0 or last > buffer_size:
                 raise InvalidArgumentError(
                     f"KV layout: a tensor (offset {p.offset}, layer stride {p.layer_stride}, block stride "
@@ -110,7 +121,8 @@ class KVLayoutPlan:
         groups = list(kv_cache_config.kv_cache_groups)
         num_blocks = int(kv_cache_config.num_blocks)
         buffer_size, placements, block_tokens = cls.tensor_reader(tensors, groups, num_blocks, int(page_size))
-        return cls(buffer_size, num_blocks, placements[0].block_bytes, block_tokens, int(page_size), placements)
+        largest = max(p.block_bytes for p in placements)
+        return cls(buffer_size, num_blocks, largest, block_tokens, int(page_size), placements)
 
     # ------------------------------------------------------------------ pages
 
@@ -122,10 +134,11 @@ class KVLayoutPlan:
         if not 0 <= logical_page < self.num_logical_pages:
             raise InvalidArgumentError(f"logical page {logical_page} is out of range [0, {self.num_logical_pages})")
         first, end = self.geometry.block_range(logical_page)
-        P, bb = self.page_size, self.block_bytes
+        P = self.page_size
         pages = set()
         if end > first:
             for pl in self.placements:
+                bb = pl.block_bytes
                 for layer in range(pl.num_layers):
                     base = pl.offset + layer * pl.layer_stride
                     if pl.block_stride <= bb:  # blocks of a layer are contiguous
@@ -158,7 +171,13 @@ class KVLayoutPlan:
 
 # ---------------------------------------------------------- tensor readers
 
-Read = Tuple[int, List[Placement], int]  # (buffer bytes, placements, tokens per block)
+Read = Tuple[int, List[Placement], int]  # (buffer bytes, placements, tokens per block of the largest block)
+
+
+def _tokens_of_largest(specs: List[Any]) -> int:
+    """Tokens per block of the spec with the largest block (the plan's geometry unit)."""
+    spec = max(specs, key=lambda s: int(s.page_size_bytes))
+    return int(getattr(spec, "block_size", 0) or 0)
 
 
 def read_layer_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks: int, page_size: int) -> Read:
@@ -168,7 +187,11 @@ def read_layer_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks: in
     if len(sizes) != 1:
         raise InvalidArgumentError(f"kvcached: KV cache tensors of different sizes {sorted(sizes)} (vLLM expects one)")
     placements: List[Placement] = []
-    block_tokens = None
+    specs: List[Any] = []
+    tensors_of_group: Dict[int, int] = {}
+    for t in tensors:
+        g = _group_index(groups, t.layers[0])
+        tensors_of_group[g] = tensors_of_group.get(g, 0) + 1
     for t in tensors:
         if getattr(t, "host_resident", False):
             raise InvalidArgumentError(
@@ -180,17 +203,33 @@ def read_layer_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks: in
                 f"kvcached: the KV spec {type(spec).__name__} of {t.layers[0]} has no per-layer block views, "
                 "so its block addresses are unknown; unset ENABLE_KVCACHED for this model"
             )
+        block_bytes = int(spec.page_size_bytes)
+        if tensors_of_group[_group_index(groups, t.layers[0])] > 1:
+            # One group over tensors of different geometry (layers of different
+            # head sizes). The scheduler's config names one arbitrary layer's
+            # spec for the whole group (vLLM's generate_scheduler_kv_cache_config
+            # drops UniformTypeKVCacheSpecs), so the block size is read from the
+            # tensor itself, the same way in the scheduler and in the workers.
+            interleaved = len(t.layers) > 1 and int(t.block_stride) * num_blocks > int(t.layer_stride)
+            past_end = int(t.offset) + int(t.block_stride) * num_blocks > int(t.size)
+            if interleaved or past_end:  # a block's bytes are not one run of this tensor's layer
+                raise InvalidArgumentError(
+                    f"kvcached does not support layers of different KV head sizes in a block-outermost KV cache "
+                    f"layout (tensor of {t.layers[0]}); use a layer-outermost layout (VLLM_KV_CACHE_LAYOUT=LBHNC) "
+                    "or unset ENABLE_KVCACHED for this model"
+                )
+            block_bytes = int(t.block_stride)
         placements.append(
             Placement(
                 int(getattr(t, "offset", 0)),
                 len(t.layers),
                 int(t.layer_stride),
                 int(t.block_stride),
-                int(spec.page_size_bytes),
+                block_bytes,
             )
         )
-        block_tokens = int(getattr(spec, "block_size", 0) or 0) if block_tokens is None else block_tokens
-    return sizes.pop(), placements, block_tokens or 0
+        specs.append(spec)
+    return sizes.pop(), placements, _tokens_of_largest(specs)
 
 
 def read_shared_by_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks: int, page_size: int) -> Read:
@@ -200,8 +239,8 @@ def read_shared_by_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks
     views, ``worker_kv.check_blocks_outermost``). kvcached puts the buffers one after
     another in one range, each at a page boundary: one placement of one "layer" each."""
     placements: List[Placement] = []
+    specs: List[Any] = []
     offset = 0
-    block_tokens = None
     for t in tensors:
         if int(getattr(t, "block_stride", 0) or 0) > 0:
             raise InvalidArgumentError(
@@ -209,7 +248,10 @@ def read_shared_by_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks
                 "has a block_stride: DeepSeek V4 or --enable-cross-layers-blocks); unset ENABLE_KVCACHED"
             )
         spec = _spec_of(groups, t.shared_by[0])
-        block_bytes = int(spec.page_size_bytes)
+        # Each buffer holds num_blocks blocks, so its size gives the block size.
+        # Not the spec's: the scheduler's config names one arbitrary layer's spec
+        # for a group of layers of different head sizes (UniformTypeKVCacheSpecs).
+        block_bytes = int(t.size) // num_blocks or int(spec.page_size_bytes)
         if int(t.size) != num_blocks * block_bytes:
             raise InvalidArgumentError(
                 f"kvcached: the KV cache tensor of {t.shared_by[0]} has {t.size} B, not {num_blocks} blocks x "
@@ -217,22 +259,25 @@ def read_shared_by_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks
             )
         placements.append(Placement(offset, 1, 0, block_bytes, block_bytes))
         offset += -(-int(t.size) // page_size) * page_size
-        block_tokens = int(getattr(spec, "block_size", 0) or 0) if block_tokens is None else block_tokens
-    return offset, placements, block_tokens or 0
+        specs.append(spec)
+    return offset, placements, _tokens_of_largest(specs)
 
 
 KVLayoutPlan.tensor_reader = staticmethod(read_layer_tensors)  # type: ignore[assignment]
 
 
-# KV cache spec classes kvcached backs: every block is kept until its request
-# frees it. Subclasses not listed (R-SWA, attention sinks, hidden-state
-# caches, ...) are refused: they free or size blocks in ways nobody checked.
-FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+# KV cache spec classes kvcached backs. Full attention keeps every block until
+# its request frees it; sliding window frees the blocks that left the window
+# through ``BlockPool.free_blocks`` while the request runs (the elastic pool
+# returns them like any freed block), with its own block table per group.
+# Subclasses not listed (R-SWA, chunked local, attention sinks, Mamba state,
+# hidden-state caches, ...) are refused: they free, size or write blocks in
+# ways no test on a real engine has checked.
+SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
 
 # What a refused spec class is, for the one line that names the model feature.
 _SPEC_FEATURES = {
-    "SlidingWindowSpec": "sliding-window attention",
-    "SlidingWindowMLASpec": "sliding-window attention",
+    "SlidingWindowMLASpec": "sliding-window MLA attention",
     "RSWASpec": "sliding-window attention (R-SWA)",
     "ChunkedLocalAttentionSpec": "chunked local attention",
     "MambaSpec": "Mamba / linear-attention state",
@@ -248,22 +293,27 @@ def _specs_of(spec: Any) -> List[Any]:
 
 
 def refuse_unsupported_model(kv_cache_config: Any) -> None:
-    """One line naming the model feature when the KV cache is not one group of
-    full attention (hybrid models, sliding window, Mamba, ...): vLLM frees such
-    blocks by its own rules (window, state), which kvcached's pages do not follow yet."""
+    """One line naming the model feature when a KV cache group is of a kind
+    kvcached has not been proven on (Mamba state, chunked local attention,
+    R-SWA, ...). Several groups of supported kinds (Gemma's local + global
+    layers) share the one block pool and are served."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = sorted({type(s).__name__ for g in groups for s in _specs_of(g.kv_cache_spec)})
-    if len(groups) > 1:
-        raise InvalidArgumentError(
-            f"kvcached does not support hybrid models yet: this model has {len(groups)} KV cache groups "
-            f"({', '.join(kinds)}); unset ENABLE_KVCACHED for this model"
-        )
     for kind in kinds:
-        if kind not in FULL_ATTENTION_SPECS:
-            feature = _SPEC_FEATURES.get(kind, "a KV cache type other than full attention")
+        if kind not in SUPPORTED_SPECS:
+            feature = _SPEC_FEATURES.get(kind, "a KV cache type other than full and sliding-window attention")
+            hybrid = f" in a model of {len(groups)} KV cache groups ({', '.join(kinds)})" if len(groups) > 1 else ""
             raise InvalidArgumentError(
-                f"kvcached does not support {feature} yet (KV cache spec {kind}); unset ENABLE_KVCACHED for this model"
+                f"kvcached does not support {feature} yet (KV cache spec {kind}{hybrid}); "
+                "unset ENABLE_KVCACHED for this model"
             )
+
+
+def _group_index(groups: List[Any], layer_name: str) -> int:
+    for i, g in enumerate(groups):
+        if layer_name in g.layer_names:
+            return i
+    raise InvalidArgumentError(f"kvcached: layer {layer_name} of a KV cache tensor is in no KV cache group")
 
 
 def _spec_of(groups: List[Any], layer_name: str) -> Any:

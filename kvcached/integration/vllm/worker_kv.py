@@ -269,12 +269,17 @@ def check_blocks_outermost(kv_caches: Dict[str, Any], kv_cache_config: Any) -> N
     import torch
 
     plan = KVLayoutPlan.from_kv_cache_config(kv_cache_config, config.page_size())
+    # One placement per KVCacheTensor (read_shared_by_tensors), each with its
+    # own block size (layers of different head sizes).
+    block_bytes = {
+        layer: p.block_bytes for t, p in zip(kv_cache_config.kv_cache_tensors, plan.placements) for layer in t.shared_by
+    }
     for name, t in kv_caches.items():
         if not isinstance(t, torch.Tensor):
             continue
         n0 = int(t.shape[0]) if t.dim() else 0
         split = n0 // plan.num_blocks if n0 and n0 % plan.num_blocks == 0 else 0
-        if not split or int(t.stride(0)) * t.element_size() * split != plan.block_bytes:
+        if not split or int(t.stride(0)) * t.element_size() * split != block_bytes.get(name, plan.block_bytes):
             raise InvalidArgumentError(
                 f"kvcached: the attention backend's KV cache view of {name} (shape {tuple(t.shape)}, strides "
                 f"{tuple(t.stride())}) does not put blocks outermost, so kvcached cannot tell which pages hold a "

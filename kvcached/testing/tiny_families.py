@@ -1,0 +1,171 @@
+"""Tiny random-weight checkpoints of model families other than Llama, for engine tests.
+
+Each is built at test time from the ``transformers`` config and model classes (no
+downloads), with seeded weights and the word-level tokenizer of ``tiny_model``:
+
+* ``gemma3``: Gemma 3 text model, local (sliding-window) and global layers of the
+  same KV geometry. vLLM gives it two KV cache groups (full attention and sliding
+  window) sharing one block pool; sliding-window blocks leave a request's block
+  table as the window moves.
+* ``gemma4``: Gemma 4 text model, whose global layers have a different head size
+  (``global_head_dim``) than its local ones: KV specs of different page sizes.
+
+Weights: every floating tensor is drawn from a seeded ``torch.Generator``
+(matrices scaled by ``1/sqrt(fan_in)``), with branch outputs that outweigh the
+token embedding and an untied, sharp output head: greedy argmax margins are wide
+and do not flip on rounding differences between attention paths.
+
+Usage::
+
+    python -m kvcached.testing.tiny_families gemma3 OUTDIR
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any, Callable, Dict
+
+from kvcached.testing.tiny_model import _vocab, _write_tokenizer
+
+__all__ = ["FAMILIES", "build_tiny_family"]
+
+
+def _gemma3_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=sizes["vocab_size"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=sizes["max_position_embeddings"],
+        sliding_window=sizes["sliding_window"],
+        # Gemma 3's pattern (5 local : 1 global), shortened: local, local, global, local.
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        query_pre_attn_scalar=32,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        pad_token_id=vocab["<pad>"],
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    return cfg
+
+
+def _gemma4_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
+    from transformers import Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(
+        vocab_size=sizes["vocab_size"],
+        vocab_size_per_layer_input=sizes["vocab_size"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        global_head_dim=64,  # global layers: twice the local head size
+        max_position_embeddings=sizes["max_position_embeddings"],
+        sliding_window=sizes["sliding_window"],
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0,  # no per-layer input embeddings (Gemma 4 E-models only)
+        num_kv_shared_layers=0,
+        final_logit_softcapping=None,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        pad_token_id=vocab["<pad>"],
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    return cfg
+
+
+def _model_class(arch: str) -> Any:
+    import transformers
+
+    return getattr(transformers, arch)
+
+
+FAMILIES: Dict[str, Callable[[Dict[str, int], Dict[str, Any]], Any]] = {
+    "gemma3": _gemma3_config,
+    "gemma4": _gemma4_config,
+}
+
+
+def _seed_weights(model: Any, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if not p.is_floating_point():
+                continue
+            if "post_attention_layernorm" in name or "post_feedforward_layernorm" in name:
+                # Gemma normalises each branch's output before the residual add; scaled
+                # x4 the branches outweigh the (sharp, scaled) token embedding, so the
+                # next token depends on the context, not only on the last token.
+                zero_centred = bool((p == 0).all())  # Gemma 3 scales by 1 + w
+                p.fill_(3.0 if zero_centred else 4.0)
+                continue
+            if "norm" in name or p.dim() < 2:
+                continue  # other norms keep the class's init
+            w = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            # Sharp output head (untied): logits spread over several units, so greedy
+            # argmax margins are wide and do not flip on rounding differences.
+            gain = 8.0 if name.startswith("lm_head") else 1.0
+            p.copy_((w * (gain / math.sqrt(p.shape[-1]))).to(p.dtype))
+
+
+def build_tiny_family(
+    path: str,
+    family: str,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 4096,
+    sliding_window: int = 64,
+) -> str:
+    """Write a tiny random ``family`` checkpoint + tokenizer to ``path``; return ``path``."""
+    import torch
+    from transformers import GenerationConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(path, exist_ok=True)
+    vocab = _vocab(vocab_size)
+    sizes = dict(vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, sliding_window=sliding_window)
+    cfg = FAMILIES[family](vocab, sizes)
+    cfg.torch_dtype = "float32"
+    torch.manual_seed(seed)
+    model = _model_class(cfg.architectures[0])(cfg).to(torch.float32)
+    _seed_weights(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    ids = dict(bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
+    GenerationConfig(**ids).save_pretrained(path)
+    _write_tokenizer(path, vocab_size, max_position_embeddings)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("family", choices=sorted(FAMILIES))
+    ap.add_argument("outdir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sliding-window", type=int, default=64)
+    a = ap.parse_args(argv)
+    print(build_tiny_family(a.outdir, a.family, seed=a.seed, sliding_window=a.sliding_window))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
