@@ -494,8 +494,12 @@ def test_swa_composite_with_sub_pools_of_different_head_sizes(monkeypatch) -> No
         dtype=DT,
         head_num=ROW_HEADS,
         head_dim=2 * ROW_DIM,
+        v_head_dim=2 * ROW_DIM,
+        # As the configurator passes them (_UnifiedSWAHeadGeometry): without swa_v_head_dim
+        # SGLang's SWA sub-pool would keep V at the global head size.
         swa_head_num=ROW_HEADS,
         swa_head_dim=ROW_DIM,
+        swa_v_head_dim=ROW_DIM,
         swa_attention_layer_ids=[0, 2],
         full_attention_layer_ids=[1, 3],
         device="cpu",
