@@ -58,6 +58,11 @@ def main() -> int:
         page_size=cfg["page_size"],
         max_total_tokens=cfg["max_total_tokens"],
         kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"),
+        # The checkpoints' own float32 ("auto" would run float16): a retracted request's
+        # KV is recomputed by a prefill, and in half precision that differs from the
+        # decode's enough to flip a near-tie of the tiny models, when the two runs
+        # retract at different steps (arrival order): not a KV cache difference.
+        dtype="float32",
         log_level="warning",
         random_seed=0,
         **cfg.get("engine", {}),
