@@ -9,6 +9,10 @@ downloads), with seeded weights and the word-level tokenizer of ``tiny_model``:
   table as the window moves.
 * ``gemma4``: Gemma 4 text model, whose global layers have a different head size
   (``global_head_dim``) than its local ones: KV specs of different page sizes.
+* ``deepseek_v2``: DeepSeek-V2 with multi-head latent attention (MLA): one latent
+  KV row per token and layer (``kv_lora_rank`` + ``qk_rope_head_dim``), K and V of
+  different head sizes; dense MLPs only (no routed experts: MoE kernels are beside
+  the point of a KV cache test).
 
 Weights: every floating tensor is drawn from a seeded ``torch.Generator``
 (matrices scaled by ``1/sqrt(fan_in)``), with branch outputs that outweigh the
@@ -87,6 +91,50 @@ def _gemma4_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     return cfg
 
 
+def _deepseek_v2_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
+    from transformers import DeepseekV2Config
+
+    cfg = DeepseekV2Config(
+        vocab_size=sizes["vocab_size"],
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,  # every layer dense
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=None,  # q_proj straight from the hidden state (DeepSeek-V2-Lite)
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=sizes["max_position_embeddings"],
+        # DeepSeek-V2's own rope (YaRN; factor 1: no context extension). SGLang's CPU
+        # path builds only this rope for MLA (get_rope_cpu: deepseek_yarn).
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 1.0,
+            "original_max_position_embeddings": sizes["max_position_embeddings"],
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        pad_token_id=vocab["<pad>"],
+        tie_word_embeddings=False,
+    )
+    # Read by SGLang's DeepSeek-V2 (a field of DeepSeek's own config class, not of transformers').
+    cfg.moe_layer_freq = 1
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
+    return cfg
+
+
 def _model_class(arch: str) -> Any:
     import transformers
 
@@ -96,6 +144,7 @@ def _model_class(arch: str) -> Any:
 FAMILIES: Dict[str, Callable[[Dict[str, int], Dict[str, Any]], Any]] = {
     "gemma3": _gemma3_config,
     "gemma4": _gemma4_config,
+    "deepseek_v2": _deepseek_v2_config,
 }
 
 

@@ -169,6 +169,36 @@ def test_set_kv_buffer_reads_back_identically() -> None:
     assert torch.equal(ours.get_key_buffer(1)[lo], k) and torch.equal(ours.get_value_buffer(1)[lo], v)
 
 
+def test_fp8_pool_stores_one_byte_cells_like_native() -> None:
+    """--kv-cache-dtype fp8_e4m3: SGLang stores the cells as uint8 (``store_dtype``) and
+    casts on write and read; the elastic pool carves its rows in that store dtype."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from kvcached.integration.sglang.pool import ElasticMHATokenToKVPool
+
+    kw = dict(page_size=16, dtype=torch.float8_e4m3fn, head_num=ROW_HEADS, head_dim=ROW_DIM, layer_num=2)
+    native = MHATokenToKVPool(2032, device="cpu", enable_memory_saver=False, **kw)
+    ours = ElasticMHATokenToKVPool(2032, device="cpu", enable_memory_saver=False, **kw)
+    assert ours.store_dtype == native.store_dtype and ours.store_dtype.itemsize == 1
+    assert ours.kvcached_group.row_bytes == ROW_HEADS * ROW_DIM  # one byte a cell
+    for layer in range(2):
+        for a, b in zip(native.get_kv_buffer(layer), ours.get_kv_buffer(layer)):
+            assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    an, ao = _allocator(native, 2032, 16, False), _allocator(ours, 2032, 16, True)
+    ln, lo = an.alloc(64), ao.alloc(64)
+
+    class _Layer:
+        layer_id = 1
+
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn((64, ROW_HEADS, ROW_DIM), generator=g).to(DT) for _ in range(2))
+    native.set_kv_buffer(_Layer(), ln, k, v)
+    ours.set_kv_buffer(_Layer(), lo, k, v)
+    for get in ("get_key_buffer", "get_value_buffer"):
+        a, b = getattr(native, get)(1)[ln], getattr(ours, get)(1)[lo]
+        assert a.dtype == torch.float8_e4m3fn and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 # ---------------------------------------------------------------------- allocators
 class Driver:
     """Drives one allocator the way SGLang's scheduler does and keeps each request's kv row."""
@@ -438,3 +468,61 @@ def test_swa_composite_with_elastic_sub_allocators(monkeypatch) -> None:
         a.free_group_end()
     assert an.available_size() == ao.available_size() == 512
     assert an.full_available_size() == ao.full_available_size() == 1024
+
+
+def test_swa_composite_with_sub_pools_of_different_head_sizes(monkeypatch) -> None:
+    """Gemma 4's geometry: global layers of head size 64, sliding-window layers of 32
+    (SGLang passes ``swa_head_dim``; the SWA sub-pool takes it). Each sub-pool is its own
+    kvcached group with its own row size; buffers match SGLang's, and both sides map
+    pages for what the composite hands out."""
+    from kvcached.integration.sglang.patches import SWA
+
+    if sglang_version() not in SWA:
+        pytest.skip(f"kvcached supports hybrid sliding-window models on SGLang {SWA} only")
+    monkeypatch.setenv("ENABLE_KVCACHED", "1")
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    from kvcached.integration.sglang.pool import ElasticMHATokenToKVPool
+    from kvcached.integration.sglang.swa_allocator import ElasticSWATokenToKVPoolAllocator
+
+    kw = dict(
+        size=1024,
+        size_swa=512,
+        page_size=16,
+        dtype=DT,
+        head_num=ROW_HEADS,
+        head_dim=2 * ROW_DIM,
+        v_head_dim=2 * ROW_DIM,
+        # As the configurator passes them (_UnifiedSWAHeadGeometry): without swa_v_head_dim
+        # SGLang's SWA sub-pool would keep V at the global head size.
+        swa_head_num=ROW_HEADS,
+        swa_head_dim=ROW_DIM,
+        swa_v_head_dim=ROW_DIM,
+        swa_attention_layer_ids=[0, 2],
+        full_attention_layer_ids=[1, 3],
+        device="cpu",
+    )
+    pn = SWAKVPool(token_to_kv_pool_class=MHATokenToKVPool, **kw)
+    po = SWAKVPool(token_to_kv_pool_class=ElasticMHATokenToKVPool, **kw)
+    for sub in ("full_kv_pool", "swa_kv_pool"):
+        n, o = getattr(pn, sub), getattr(po, sub)
+        assert (n.head_num, n.head_dim) == (o.head_num, o.head_dim)
+        assert o.kvcached_group.row_bytes == o.head_num * o.head_dim * 2
+        for layer in range(2):
+            for a, b in zip(n.get_kv_buffer(layer), o.get_kv_buffer(layer)):
+                assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    full, swa = po.full_kv_pool.kvcached_group, po.swa_kv_pool.kvcached_group
+    assert full.group_id != swa.group_id and full.row_bytes == 2 * swa.row_bytes
+    an = SWATokenToKVPoolAllocator(1024, 512, 16, DT, "cpu", pn, False)
+    ao = ElasticSWATokenToKVPoolAllocator(1024, 512, 16, DT, "cpu", po, False)
+    pl, sl, last = torch.tensor([0]), torch.tensor([200]), torch.tensor([-1])
+    on = an.alloc_extend(pl, pl.clone(), sl, sl.clone(), last, 200)
+    before = (full.manager.get_mapped_memory_size(), swa.manager.get_mapped_memory_size())
+    oo = ao.alloc_extend(pl, pl.clone(), sl, sl.clone(), last, 200)
+    assert on.shape == oo.shape
+    assert an.full_available_size() == ao.full_available_size() and an.swa_available_size() == ao.swa_available_size()
+    # 200 tokens: 64 KiB of head-64 rows per K/V buffer and layer, half that on the SWA side.
+    grew = (full.manager.get_mapped_memory_size() - before[0], swa.manager.get_mapped_memory_size() - before[1])
+    assert grew[0] > 0 and grew[1] > 0, grew
