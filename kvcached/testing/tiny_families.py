@@ -36,6 +36,11 @@ from kvcached.testing.tiny_model import _vocab, _write_tokenizer
 __all__ = ["FAMILIES", "build_tiny_family"]
 
 
+def _token_ids(vocab: Dict[str, int]) -> Dict[str, int]:
+    """The word-level tokenizer's special tokens, for the model and generation configs."""
+    return dict(bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
+
+
 def _gemma3_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     from transformers import Gemma3TextConfig
 
@@ -54,9 +59,7 @@ def _gemma3_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
         final_logit_softcapping=None,
         attn_logit_softcapping=None,
         query_pre_attn_scalar=32,
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
-        pad_token_id=vocab["<pad>"],
+        **_token_ids(vocab),
         tie_word_embeddings=False,
     )
     cfg.architectures = ["Gemma3ForCausalLM"]
@@ -82,9 +85,7 @@ def _gemma4_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
         hidden_size_per_layer_input=0,  # no per-layer input embeddings (Gemma 4 E-models only)
         num_kv_shared_layers=0,
         final_logit_softcapping=None,
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
-        pad_token_id=vocab["<pad>"],
+        **_token_ids(vocab),
         tie_word_embeddings=False,
     )
     cfg.architectures = ["Gemma4ForCausalLM"]
@@ -124,9 +125,7 @@ def _deepseek_v2_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
             "mscale": 1.0,
             "mscale_all_dim": 1.0,
         },
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
-        pad_token_id=vocab["<pad>"],
+        **_token_ids(vocab),
         tie_word_embeddings=False,
     )
     # Read by SGLang's DeepSeek-V2 (a field of DeepSeek's own config class, not of transformers').
@@ -197,8 +196,7 @@ def build_tiny_family(
     model = _model_class(cfg.architectures[0])(cfg).to(torch.float32)
     _seed_weights(model, seed)
     model.save_pretrained(path, safe_serialization=True)
-    ids = dict(bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
-    GenerationConfig(**ids).save_pretrained(path)
+    GenerationConfig(**_token_ids(vocab)).save_pretrained(path)
     _write_tokenizer(path, vocab_size, max_position_embeddings)
     return path
 

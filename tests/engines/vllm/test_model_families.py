@@ -51,31 +51,15 @@ def _model(workdir: str, kind: str) -> str:
 
 
 def _driver(model: str, out: str, env: dict, args) -> dict:
-    import json
-    import subprocess
-    import sys
-
-    log = out + ".log"
-    with open(log, "w") as f:
-        p = subprocess.run(
-            [sys.executable, os.path.join(h.HERE, "vllm_family_driver.py"), model, out, *args],
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=900,
-            cwd=os.path.dirname(out),
-        )
-    if p.returncode != 0:
-        with open(log, errors="replace") as f:
-            text = f.read()
-        if "AmbiguousGlobalPerLayerAttributeError" in text:
-            # vLLM 0.26's Gemma 4 reads config.head_dim, which the installed transformers
-            # (5.24) refuses for per-layer head sizes: the engine cannot load the model at all.
-            pytest.skip("this vLLM cannot load Gemma 4 with the installed transformers (per-layer head_dim)")
-        tail = "".join(text.splitlines(keepends=True)[-60:])
-        raise AssertionError(f"driver failed ({p.returncode}):\n{tail}")
-    with open(out) as f:
-        return json.load(f)
+    try:
+        return h.run_driver(model, out, env, *args, script="vllm_family_driver.py")
+    except AssertionError:
+        with open(out + ".log", errors="replace") as f:
+            if "AmbiguousGlobalPerLayerAttributeError" in f.read():
+                # vLLM 0.26's Gemma 4 reads config.head_dim, which the installed transformers
+                # (5.24) refuses for per-layer head sizes: the engine cannot load the model at all.
+                pytest.skip("this vLLM cannot load Gemma 4 with the installed transformers (per-layer head_dim)")
+        raise
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

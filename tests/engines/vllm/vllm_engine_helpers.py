@@ -85,11 +85,14 @@ def engine_env(kvcached: bool, name: Optional[str] = None, **extra: str) -> Dict
 # ------------------------------------------------------------------- driver
 
 
-def run_driver(model: str, out: str, env: dict, *args: str, timeout: float = 900) -> dict:
+def run_driver(
+    model: str, out: str, env: dict, *args: str, script: str = "vllm_offline_driver.py", timeout: float = 900
+) -> dict:
+    """Runs a driver script of this folder in its own process; its JSON result (its log: OUT.log)."""
     log = out + ".log"
     with open(log, "w") as f:
         p = subprocess.run(
-            [sys.executable, os.path.join(HERE, "vllm_offline_driver.py"), model, out, *args],
+            [sys.executable, os.path.join(HERE, script), model, out, *args],
             env=env,
             stdout=f,
             stderr=subprocess.STDOUT,
@@ -102,6 +105,17 @@ def run_driver(model: str, out: str, env: dict, *args: str, timeout: float = 900
         raise AssertionError(f"driver failed ({p.returncode}):\n{tail}")
     with open(out) as f:
         return json.load(f)
+
+
+def engine_counters(llm) -> dict:
+    """An offline LLM's prefix-cache and preemption counters, summed over labels (in a driver)."""
+    out: dict = {}
+    for m in llm.get_metrics():
+        if "prefix_cache" in m.name or "preemption" in m.name:
+            v = getattr(m, "value", None)
+            if v is not None:
+                out[m.name] = out.get(m.name, 0) + v
+    return out
 
 
 # ------------------------------------------------------------------ records

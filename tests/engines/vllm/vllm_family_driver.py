@@ -32,16 +32,6 @@ A_PROMPT_LEN = 130
 A_TOKENS = 140
 
 
-def counters(llm) -> dict:
-    out: dict = {}
-    for m in llm.get_metrics():
-        if "prefix_cache" in m.name or "preemption" in m.name:
-            v = getattr(m, "value", None)
-            if v is not None:
-                out[m.name] = out.get(m.name, 0) + v
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -85,7 +75,7 @@ def main() -> int:
     outs = llm.generate(workload[::-1], sp, use_tqdm=False)[::-1]
     res["tokens2"] = [list(o.outputs[0].token_ids) for o in outs]
     res["cached2"] = [o.num_cached_tokens for o in outs]
-    res["metrics_a"] = counters(llm)
+    res["metrics_a"] = h.engine_counters(llm)
 
     if a.long:
         spl = SamplingParams(temperature=0, max_tokens=a.long, ignore_eos=True)
@@ -94,7 +84,7 @@ def main() -> int:
         outs = llm.generate(long_prompts, spl, use_tqdm=False)
         res["long_s"] = time.monotonic() - t1
         res["tokensL"] = [list(o.outputs[0].token_ids) for o in outs]
-    res["metrics"] = counters(llm)
+    res["metrics"] = h.engine_counters(llm)
     if sampler:
         sampler.__exit__()
         res["samples"] = [s[a.name] for s in sampler.samples if s.get(a.name)]

@@ -23,16 +23,6 @@ import vllm_engine_helpers as h  # noqa: E402
 N_PROMPTS = 12
 
 
-def prefix_counters(llm) -> dict:
-    out: dict = {}
-    for m in llm.get_metrics():
-        if "prefix_cache" in m.name or "preemption" in m.name:
-            v = getattr(m, "value", None)
-            if v is not None:
-                out[m.name] = out.get(m.name, 0) + v
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -78,7 +68,7 @@ def main() -> int:
     outs = llm.generate(workload, sp, use_tqdm=False)
     res["tokens2"] = [list(o.outputs[0].token_ids) for o in outs]
     res["cached2"] = [o.num_cached_tokens for o in outs]
-    res["metrics"] = prefix_counters(llm)
+    res["metrics"] = h.engine_counters(llm)
 
     # Workload B: short prompts that grow a second block while decoding (the
     # capped-server test compares its preempted runs with these tokens).
