@@ -2,12 +2,20 @@
 # The GPU engine proof (issue: vLLM on the H200 with kvcached), on any CUDA machine whose
 # python3 has vLLM and kvcached (on the lent H200: source scripts/gpu_device_install.sh first).
 #   model        random-weight Llama-3-8B and Llama-3.2-1B shapes in bf16, drawn on the GPU,
-#                word-level tokenizer (kvcached.testing.tiny_model --preset)
-#   correctness  greedy tokens with and without kvcached, defaults and under a small limit
-#   overhead     vllm bench serve native vs kvcached, paired rounds; then the limit lowered
-#                and raised while decoding (step 4)
+#                word-level tokenizer (kvcached.testing.tiny_model --preset), and a small
+#                DeepSeek-V2 (MLA) with the latent sizes GPU kernels take (tiny_families)
+#   limits       kvctl limit lowered while decoding (at or under it within 1 s), raised again
+#   correctness  greedy tokens with and without kvcached, vLLM defaults, KV large enough that
+#                nothing is evicted, and a second native engine as the control
+#   correctness-limit
+#                the same with batch-invariant kernels and a kvcached limit a third of the
+#                load's need: preemption and eviction all the time (the release-fence test)
+#   mla          the MLA model: native vs kvcached (and a control), then under a small limit
+#   overhead     vllm bench serve native vs kvcached (and a kvcached that keeps emptied pages
+#                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back
-# Usage: bash scripts/gpu_engines.sh [model] [correctness] [overhead] [three]   (default: all)
+#   router       three models behind `kvcached serve`: sleep when idle, wake on request
+# Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
 # Logs and JSON go to a work folder (KVCACHED_PROOF_WORK, default /tmp/kvcached-proof); each
 # step's table to $OUT/<step>.txt and its files to $OUT/<step>.tgz (a device call brings back
 # few files).
@@ -18,10 +26,19 @@ WORK="${KVCACHED_PROOF_WORK:-/tmp/kvcached-proof}"
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(model correctness overhead three)
+[ ${#steps[@]} -eq 0 ] && steps=(model limits correctness correctness-limit mla overhead three router)
 big="$WORK/models/llama3-8b"
 small="$WORK/models/llama3-1b"
+mla="$WORK/models/deepseek-v2-mla"
+proof=scripts/gpu_proof
 rc=0
+# run STEP SCRIPT ARGS...: the step's script with its work folder, its table to $OUT/STEP.txt.
+run() {
+  local step=$1 script=$2
+  shift 2
+  python3 "$script" --out "$WORK/$step" "$@" 2>&1 | tee "$OUT/$step.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+}
 for step in "${steps[@]}"; do
   echo "== $(date -Is) $step" | tee -a "$OUT/steps.txt"
   t0=$(date +%s)
@@ -32,18 +49,23 @@ for step in "${steps[@]}"; do
         [ -f "$dir/config.json" ] || python3 -m kvcached.testing.tiny_model "$dir" --preset "${m##*:}" \
           --device cuda --dtype bfloat16 --layers-per-shard 4 || rc=1
       done
+      [ -f "$mla/config.json" ] || python3 -m kvcached.testing.tiny_families deepseek_v2 "$mla" \
+        --gpu-shapes --vocab-size 32000 || rc=1
       du -sh "$WORK/models"/* | tee -a "$OUT/steps.txt" ;;
-    correctness)
-      python3 scripts/gpu_proof/correctness.py --model "$big" --out "$WORK/correctness" 2>&1 | tee "$OUT/correctness.txt"
-      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
-    overhead)
-      python3 scripts/gpu_proof/overhead.py --model "$big" --out "$WORK/overhead" --limits 2>&1 | tee "$OUT/overhead.txt"
-      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
-    three)
-      python3 scripts/gpu_proof/three_models.py --model "$small" --out "$WORK/three" \
-        --plot "$OUT/gpu_three_models.png" 2>&1 | tee "$OUT/three.txt"
-      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
-    *) echo "unknown step $step (model, correctness, overhead, three)" >&2; exit 2 ;;
+    limits) run "$step" $proof/limits.py --model "$big" ;;
+    # 200 prompts need 18.9 GiB of KV if nothing is ever evicted: 22G each.
+    correctness) run "$step" $proof/correctness.py --model "$big" --prompts 200 --kv 22G \
+      --only native,kvcached,native-2 --control ;;
+    correctness-limit) run "$step" $proof/correctness.py --model "$big" --prompts 200 \
+      --only native-bi,kvcached-limit ;;
+    mla) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --limit 256M \
+      --only native,kvcached,native-2,kvcached-limit --control --no-batch-invariant ;;
+    overhead) run "$step" $proof/overhead.py --model "$big" --kv 24G --inf-requests 256 --rates 32,inf \
+      --rounds 3 --seconds 10 --variant keep:KVCACHED_MAX_RESERVED_PAGES=700 ;;
+    three) run "$step" $proof/three_models.py --model "$small" --plot "$OUT/gpu_three_models.png" ;;
+    router) run "$step" $proof/router_three.py --model "$small" --plot "$OUT/gpu_router_three.png" ;;
+    *) echo "unknown step $step (model limits correctness correctness-limit mla overhead three router)" >&2
+       exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"
   [ -d "$WORK/$step" ] && tar czf "$OUT/$step.tgz" -C "$WORK" --exclude='prompts.json' "$step"

