@@ -278,3 +278,27 @@ def test_sigterm_stops_the_router_and_every_engine(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
+
+
+def test_a_burst_of_connections_at_once_is_served(running):
+    # A burst's clients connect within a millisecond: the listen queue must hold them
+    # (socketserver's default of 5 refused some of 64 on the H200 run).
+    r = running([{"name": "alpha"}])
+    r.ready()
+    n = 200
+    go = threading.Barrier(n)
+    results = []
+
+    def one():
+        go.wait()
+        try:
+            results.append(complete(r.port, "alpha")[0])
+        except OSError as e:
+            results.append(repr(e))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND_S)
+    assert results.count(200) == n, [x for x in results if x != 200][:5]

@@ -42,6 +42,9 @@ HOP_BY_HOP = {
 class RouterServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # A burst's clients connect at once: socketserver's listen queue of 5 resets the
+    # rest (3 of 64 on the H200). The kernel caps it at net.core.somaxconn.
+    request_queue_size = 1024
 
     def __init__(self, address: Any, router: Router) -> None:
         self.router = router

@@ -103,7 +103,7 @@ def _deepseek_v2_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
         intermediate_size=2048 if real else 128,
         moe_intermediate_size=32,
         num_hidden_layers=4 if real else 2,
-        first_k_dense_replace=2,  # every layer dense
+        first_k_dense_replace=4 if real else 2,  # every layer dense (an MoE layer needs expert groups in vLLM)
         n_routed_experts=4,
         n_shared_experts=1,
         num_experts_per_tok=2,

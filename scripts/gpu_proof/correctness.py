@@ -16,6 +16,8 @@ processes; vLLM's defaults: CUDA graphs, async scheduling, prefix caching):
 Prompts: groups sharing prefixes, mixed lengths, outputs up to past 2,000
 tokens for some. Prints a table; exits 1 when any pair differs.
 
+Each engine core runs in its child's process, so every request is queued
+before the first step and the schedule does not depend on arrival timing.
 ``--kv`` large enough that nothing is evicted (22G for 200 prompts) makes the
 ``native``/``kvcached`` pair independent of eviction order: kvcached hands out
 never-used blocks before it evicts cached ones, vLLM takes its free queue in
@@ -61,8 +63,7 @@ def make_prompts(n: int, vocab: int, cpu: bool, seed: int = 7) -> Tuple[List[Lis
 def trace_schedule(path: str) -> None:
     """Wraps vLLM's ``Scheduler.schedule`` so that every step appends one line to
     ``path``: the blocks vLLM counts as free and the tokens scheduled per request.
-    The engine core is forked from this process (VLLM_WORKER_MULTIPROC_METHOD=fork),
-    so the wrapper is in it; under spawn no trace is written."""
+    The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     from vllm.v1.core.sched import scheduler as sched_mod
 
     orig = sched_mod.Scheduler.schedule
@@ -217,11 +218,11 @@ def main(argv: List[str] | None = None) -> int:
         name = f"proof_{label}_{tag}"
         # Batch-invariant kernels are Triton GPU kernels; float32 on the CPU is
         # batch-stable enough for the dry run.
-        # The schedule trace (child) needs the engine core forked, or in-process on
-        # the CPU (vLLM-CPU forces spawn).
-        extra: Dict[str, str] = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-        if a.cpu:
-            extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The engine core in this process: LLM.generate queues every request before the
+        # first step. In its own process the core starts stepping while requests still
+        # arrive, so which ones share step 0 is timing (H200: two native runs differed
+        # from step 0 on, 50 of 200 sequences). The schedule trace (child) needs it too.
+        extra: Dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if bi and not a.cpu and not a.no_batch_invariant:
             extra["VLLM_BATCH_INVARIANT"] = "1"
         env = engine_env(kvc, name, a.cpu, 0.3, **extra)

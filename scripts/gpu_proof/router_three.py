@@ -111,9 +111,20 @@ def plot(rec: RecordSampler, phases, budget: int, path: str) -> None:  # type: i
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    for name, pts in rec.series.items():
+    for i, (name, pts) in enumerate(rec.series.items()):
         m = name.rsplit("_", 1)[1]
-        ax.step([p.t for p in pts], [p.mapped / (1 << 30) for p in pts], where="post", lw=2, label=f"model {m}")
+        # No samples while an engine is stopped (its record is gone): a gap, not its last value.
+        runs: List[list] = []
+        for p in pts:
+            if not runs or p.t - runs[-1][-1].t > 1.0:
+                runs.append([])
+            runs[-1].append(p)
+        for k, run in enumerate(runs):
+            label = None
+            if k == 0:
+                label = f"model {m}" + (" (sleep: stop; no line: stopped)" if SLEEP[m] == "stop" else "")
+            ts, gib = [p.t for p in run], [p.mapped / (1 << 30) for p in run]
+            ax.step(ts, gib, where="post", lw=2, color=f"C{i}", label=label)
     ax.axhline(budget / (1 << 30), color="red", ls="--", lw=1, label=f"shared KV budget {format_size(budget)}")
     for m, t0, t1 in phases:
         ax.axvspan(t0, t1, color="green", alpha=0.07)
@@ -212,6 +223,7 @@ def main(argv: List[str] | None = None) -> int:
         os.path.join(a.out, "router_three.json"),
         {
             "results": results,
+            "phases": phases,
             "wakes": wakes,
             "router_rc": rc,
             "series": {k: [tuple(p) for p in v] for k, v in rec.series.items()},
