@@ -184,7 +184,7 @@ def main(argv: List[str] | None = None) -> int:
         print(
             f"{label}: {calls.get('map_count', 0):.0f} map calls, {calls.get('map_sum', 0):.2f} s; "
             f"{calls.get('unmap_count', 0):.0f} unmap calls, {calls.get('unmap_sum', 0):.2f} s; "
-            f"over {busy[label]:.1f} s of measured runs (warm-up not counted)"
+            f"since start (warm-up included), beside {busy[label]:.1f} s of measured runs"
         )
     print(
         f"worst kvcached throughput ratio {worst['throughput']:.3f} (goal >= 0.98); "
