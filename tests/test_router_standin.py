@@ -107,7 +107,13 @@ def main(argv) -> None:
     port = int(argv[argv.index("--port") + 1])
     _State.name = argv[argv.index("--served-model-name") + 1]
     time.sleep(float(os.environ.get("STANDIN_START_DELAY", "0")))
-    ThreadingHTTPServer(("127.0.0.1", port), _Handler).serve_forever()
+    # A listen queue like the real engines' servers (uvicorn: 2048), not socketserver's 5:
+    # the router forwards a burst's requests at once.
+    server = ThreadingHTTPServer(("127.0.0.1", port), _Handler, bind_and_activate=False)
+    server.request_queue_size = 1024
+    server.server_bind()
+    server.server_activate()
+    server.serve_forever()
 
 
 if __name__ == "__main__":
