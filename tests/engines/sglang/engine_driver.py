@@ -206,15 +206,24 @@ class ServerClient:
         deadline = time.monotonic() + 600  # a bound for a busy 2-core machine
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"launch_server exited rc={self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(f"launch_server exited rc={self.proc.returncode}; {self._log_tail()}")
             try:
                 if self._req("/health_generate", None, timeout=30)[0] == 200:
                     break
             except Exception:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"launch_server not ready after 600 s; see {self.log_path}")
+                raise RuntimeError(f"launch_server not ready after 600 s; {self._log_tail()}")
             time.sleep(0.5)
+
+    def _log_tail(self, n: int = 40) -> str:
+        """The server log's last lines, for the error (pytest removes old tmp folders)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                tail = "".join(f.readlines()[-n:])
+        except OSError as e:
+            tail = repr(e)
+        return f"{self.log_path} ends:\n{tail}"
 
     def _req(self, path: str, body: Any, timeout: float = 600):
         import urllib.request
