@@ -562,6 +562,27 @@ def test_plan_refuses_kv_cache_kinds_not_proven_in_one_line(specs, match):
     assert plan.physical_pages(1) == (1,)  # both groups' block 32 live on the same page
 
 
+def test_mamba_state_is_backed_where_its_version_patch_applies(monkeypatch):
+    """``mamba_state_0_29`` (vLLM 0.29+) serves MambaSpec groups: state blocks are
+    blocks of the same pool, at their layer's block address. Pages evened out by vLLM
+    tie; the plan's tokens per block are the attention group's (a state block's
+    ``block_size`` is the model length, no cached tokens)."""
+    from kvcached.integration.vllm import kv_layout, versions
+
+    monkeypatch.setattr(kv_layout, "SUPPORTED_SPECS", kv_layout.SUPPORTED_SPECS)
+    patch = next(p for p in versions.all_patches() if p.name == "mamba_state_0_29")
+    assert parse_version("0.29.0") in patch.versions and parse_version("0.28.2") not in patch.versions
+    mamba = _spec_class("MambaSpec")(page_size_bytes=64 * KiB, block_size=4096)
+    attention = FullAttentionSpec(page_size_bytes=64 * KiB, block_size=128, num_kv_heads=4)
+    with pytest.raises(InvalidArgumentError, match="Mamba"):
+        KVLayoutPlan.from_kv_cache_config(_kv_config(mamba, attention), 2 * MiB)
+    patch.apply(types.ModuleType("vllm.v1.kv_cache_interface"))
+    plan = KVLayoutPlan.from_kv_cache_config(_kv_config(mamba, attention), 2 * MiB)
+    assert plan.block_tokens == 128 and plan.physical_pages(1) == (1,)
+    patch.apply(types.ModuleType("vllm.v1.kv_cache_interface"))  # idempotent
+    assert kv_layout.SUPPORTED_SPECS.count("MambaSpec") == 1
+
+
 def _vllm_config(**over) -> SimpleNamespace:
     vc = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),

@@ -9,6 +9,11 @@ downloads), with seeded weights and the word-level tokenizer of ``tiny_model``:
   table as the window moves.
 * ``gemma4``: Gemma 4 text model, whose global layers have a different head size
   (``global_head_dim``) than its local ones: KV specs of different page sizes.
+* ``qwen3_next``: Qwen3-Next: gated-delta-net (linear attention) layers beside
+  full-attention layers. Each request keeps a recurrent state (blocks of vLLM's
+  ``MambaSpec`` group) in the same block pool as the attention KV. Dense MLPs but
+  the last layer's (vLLM's Qwen3-Next wants one MoE layer; the dense Qwen3.5 text
+  model needs torchvision in vLLM, which breaks transformers on a CPU).
 * ``deepseek_v2``: DeepSeek-V2 with multi-head latent attention (MLA): one latent
   KV row per token and layer (``kv_lora_rank`` + ``qk_rope_head_dim``), K and V of
   different head sizes; dense MLPs only (no routed experts: MoE kernels are beside
@@ -136,6 +141,40 @@ def _deepseek_v2_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     return cfg
 
 
+def _qwen3_next_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(
+        vocab_size=sizes["vocab_size"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        # KV of 1 KiB per token: vLLM raises the attention block size until its page is
+        # no smaller than one layer's recurrent state (~68 KiB here), so 80-token blocks:
+        # a 130-token prompt fills one (a prefix-cache entry) and fits a 128 KiB page.
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        # vLLM's CPU gated-delta-rule kernel takes Qwen3-Next's own head size (128) only.
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        mlp_only_layers=[0, 1, 2],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        max_position_embeddings=sizes["max_position_embeddings"],
+        **_token_ids(vocab),
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    return cfg
+
+
 def _model_class(arch: str) -> Any:
     import transformers
 
@@ -146,6 +185,7 @@ FAMILIES: Dict[str, Callable[[Dict[str, int], Dict[str, Any]], Any]] = {
     "gemma3": _gemma3_config,
     "gemma4": _gemma4_config,
     "deepseek_v2": _deepseek_v2_config,
+    "qwen3_next": _qwen3_next_config,
 }
 
 

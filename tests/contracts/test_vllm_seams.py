@@ -404,6 +404,16 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
             sets_attrs(KVI, "KVCacheTensor", ["size", "layers", "layer_stride", "block_stride", "offset"]),
         ),
     ],
+    "mamba_state_0_29": [
+        (
+            "KVCacheTensor(size, layers, layer_stride, block_stride, offset): state blocks at their block address",
+            sets_attrs(KVI, "KVCacheTensor", ["size", "layers", "layer_stride", "block_stride", "offset"]),
+        ),
+        (
+            "MambaSpec.page_size_bytes (evened out with the attention pages)",
+            has_methods(KVI, "MambaSpec", ["page_size_bytes"]),
+        ),
+    ],
     "kv_tensors_shared_by_0_28": [
         (
             "KVCacheTensor(size, shared_by, offset, block_stride) (no layers, no layer_stride)",

@@ -90,8 +90,8 @@ class _ElasticAllocatorMixin:
             # E.g. HybridLinearKVPool (Mamba/GDN hybrids): its full-attention
             # leaf is elastic, but the composite's state pools are not.
             raise conflicts.refuse(
-                f"the {type(kvcache).__name__} KV pool (a hybrid other than sliding-window attention) is not "
-                "supported by kvcached's SGLang integration",
+                f"SGLang's {type(kvcache).__name__} KV pool is not one kvcached makes elastic (Mamba / "
+                "linear-attention hybrids such as Qwen3-Next and Qwen3.5 keep a static state pool)",
                 "use an MHA/GQA, MLA or sliding-window hybrid model",
             )
         self.kvcached_group = grp

@@ -175,8 +175,10 @@ Read = Tuple[int, List[Placement], int]  # (buffer bytes, placements, tokens per
 
 
 def _tokens_of_largest(specs: List[Any]) -> int:
-    """Tokens per block of the spec with the largest block (the plan's geometry unit)."""
-    spec = max(specs, key=lambda s: int(s.page_size_bytes))
+    """Tokens per block of the spec with the largest block (the plan's geometry unit).
+    On a tie (vLLM evens out the pages of a hybrid model's groups) an attention spec's:
+    a Mamba state block's ``block_size`` counts no cached tokens."""
+    spec = max(specs, key=lambda s: (int(s.page_size_bytes), hasattr(s, "num_kv_heads")))
     return int(getattr(spec, "block_size", 0) or 0)
 
 
@@ -270,10 +272,23 @@ KVLayoutPlan.tensor_reader = staticmethod(read_layer_tensors)  # type: ignore[as
 # its request frees it; sliding window frees the blocks that left the window
 # through ``BlockPool.free_blocks`` while the request runs (the elastic pool
 # returns them like any freed block), with its own block table per group.
-# Subclasses not listed (R-SWA, chunked local, attention sinks, Mamba state,
-# hidden-state caches, ...) are refused: they free, size or write blocks in
-# ways no test on a real engine has checked.
-SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
+# Mamba / gated-delta-net state (``MambaSpec``) is added per vLLM version by
+# ``versions.py`` (``serve_spec``): from 0.29 a state block lies at its layer's
+# block address like a KV block, vLLM evens its page out with the attention
+# pages, and a request's state blocks come from and go back to the one pool.
+# Subclasses not listed (R-SWA, chunked local, attention sinks, hidden-state
+# caches, ...) are refused: they free, size or write blocks in ways no test on a
+# real engine has checked.
+SUPPORTED_SPECS: Tuple[str, ...] = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
+
+
+def serve_spec(name: str) -> None:
+    """Back one more spec class from now on (a version patch that proved it, e.g.
+    ``mamba_state_0_29``: Mamba / gated-delta-net state blocks)."""
+    global SUPPORTED_SPECS
+    if name not in SUPPORTED_SPECS:
+        SUPPORTED_SPECS = (*SUPPORTED_SPECS, name)
+
 
 # What a refused spec class is, for the one line that names the model feature.
 _SPEC_FEATURES = {

@@ -129,6 +129,12 @@ def _kv_tensors_shared_by(module: ModuleType) -> None:
     kv_layout.KVLayoutPlan.tensor_reader = staticmethod(kv_layout.read_shared_by_tensors)  # type: ignore[assignment]
 
 
+def _mamba_state(module: ModuleType) -> None:
+    from kvcached.integration.vllm import kv_layout
+
+    kv_layout.serve_spec("MambaSpec")
+
+
 def _kv_blocks_per_tensor(module: ModuleType) -> None:
     from kvcached.integration.vllm import worker_kv
 
@@ -250,6 +256,14 @@ def all_patches() -> List[BasePatch]:
             V029_034,
             _kv_tensors_by_layers,
             "KVCacheTensor(size, layers, layer_stride, block_stride, offset): placements in one buffer",
+        ),
+        BasePatch(
+            "mamba_state_0_29",
+            "vllm.v1.kv_cache_interface",
+            V029_034,
+            _mamba_state,
+            "Mamba / gated-delta-net state (MambaSpec) blocks at their layer's block address in the one buffer: "
+            "backed like KV blocks (proven on 0.29 and 0.32 CPU engines with Qwen3-Next)",
         ),
         # ----------------------------------------------------- worker: KV buffer
         BasePatch(
@@ -406,6 +420,7 @@ KNOWN_BREAKS: Dict[Tuple[str, str], str] = {
     ),
     **_outside("kv_tensors_shared_by_0_28", _M029_034, _LAYERS),
     **_outside("kv_tensors_by_layers", _M026_028, _SHARED_BY),
+    **_outside("mamba_state_0_29", _M026_028, _SHARED_BY),
     **_outside("runner_v1_kv_buffer_0_28", _M029_034, _LAYERS),
     **_outside("runner_v2_kv_buffer_0_28", _M029_034, _LAYERS),
     **_outside("worker_allocate_kv_cache", _M026_028, _SHARED_BY),

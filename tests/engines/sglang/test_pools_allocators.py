@@ -526,3 +526,42 @@ def test_swa_composite_with_sub_pools_of_different_head_sizes(monkeypatch) -> No
     # 200 tokens: 64 KiB of head-64 rows per K/V buffer and layer, half that on the SWA side.
     grew = (full.manager.get_mapped_memory_size() - before[0], swa.manager.get_mapped_memory_size() - before[1])
     assert grew[0] > 0 and grew[1] > 0, grew
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_mamba_hybrid_pool_is_refused_with_one_line(monkeypatch, ps: int) -> None:
+    """Mamba / gated-delta-net hybrids (Qwen3-Next, Qwen3.5): SGLang builds a
+    ``HybridLinearKVPool`` whose full-attention leaf is our elastic pool (it passes the
+    resolved MHA class as ``full_kv_pool_class``, 0.5.15 and 0.5.23) beside a static Mamba
+    state pool, then a token or paged allocator over the composite. kvcached does not make
+    the state pool elastic, so the allocator refuses at start-up with one line naming the
+    pool and the fix, before any slot is handed out; it never runs half elastic."""
+    monkeypatch.setenv("ENABLE_KVCACHED", "1")
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    from kvcached.integration.sglang.conflicts import UnsupportedConfigurationError
+    from kvcached.integration.sglang.pool import ElasticMHATokenToKVPool, is_elastic_pool
+
+    pool = HybridLinearKVPool(
+        page_size=ps,
+        size=1024,
+        dtype=DT,
+        head_num=ROW_HEADS,
+        head_dim=ROW_DIM,
+        full_attention_layer_ids=[3],
+        device="cpu",
+        mamba_pool=None,  # SGLang's MambaPool lives in the req-to-token pool; unused here
+        full_kv_pool_class=ElasticMHATokenToKVPool,
+    )
+    assert is_elastic_pool(pool.full_kv_pool) and not is_elastic_pool(pool)
+    with pytest.raises(UnsupportedConfigurationError) as err:
+        _allocator(pool, 1024, ps, elastic=True)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "HybridLinearKVPool" in msg and "Qwen3-Next" in msg
+    assert "use an MHA/GQA, MLA or sliding-window hybrid model" in msg and "ENABLE_KVCACHED" in msg
+    # The seam's own check refuses SGLang's native allocator over the composite too.
+    from kvcached.integration.sglang.patches import check_built_allocator
+
+    with pytest.raises(UnsupportedConfigurationError, match="over HybridLinearKVPool"):
+        check_built_allocator(_allocator(pool, 1024, ps, elastic=False), pool)

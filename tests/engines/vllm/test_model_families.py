@@ -13,6 +13,12 @@ on and a pool small enough that vLLM must preempt (``vllm_family_driver.py``).
 * ``gemma4-one-group``: the same model with the hybrid KV cache manager off: one
   group of full-attention layers whose blocks differ in size (64 and 128 KiB),
   one KV tensor per size.
+* ``qwen3-next``: gated-delta-net (linear attention) layers beside full-attention
+  layers (bfloat16: vLLM's CPU kernel takes no other). Each request's recurrent
+  state is a block of the ``MambaSpec`` group, evened out with the attention pages
+  (128-token blocks) and drawn from the same pool ("align" mode under prefix
+  caching: a state block per cached prefix block too). vLLM 0.29+ (patch
+  ``mamba_state_0_29``); on 0.26-0.28 kvcached refuses it at start-up in one line.
 """
 
 from __future__ import annotations
@@ -29,7 +35,14 @@ CASES = {
     "gemma3": ("gemma3", ("--blocks", "80", "--long", "2000", "--long-prompts", "4")),
     "gemma4": ("gemma4", ("--blocks", "40")),
     "gemma4-one-group": ("gemma4", ("--blocks", "24", "--no-hybrid")),
+    "qwen3-next": ("qwen3_next", ("--blocks", "16", "--dtype", "bfloat16")),
 }
+MAMBA_PATCH = "mamba_state_0_29"
+
+# bfloat16: a request resumed from a cached prefix (its recurrent state as of the
+# cached block, then the rest) rounds differently from one prefilled whole, so pass 2
+# may differ from pass 1 in both runs; kvcached must still equal native pass for pass.
+PASS_2_MAY_DIFFER = {"qwen3-next"}
 
 # A hit needs a full block of every group: hybrid Gemma 4's local group has 256-token
 # blocks (pages evened out with the global group), longer than workload A's 131-token
@@ -62,8 +75,21 @@ def _driver(model: str, out: str, env: dict, args) -> dict:
         raise
 
 
+def _mamba_served() -> bool:
+    """Whether kvcached backs Mamba state on the installed vLLM (its patch's range)."""
+    import vllm
+
+    from kvcached.integration.patch_base import parse_version
+    from kvcached.integration.vllm.versions import all_patches
+
+    v = parse_version(vllm.__version__)
+    return any(p.name == MAMBA_PATCH and v in p.versions for p in all_patches())
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def runs(request, workdir):
+    if request.param == "qwen3-next" and not _mamba_served():
+        pytest.skip(f"kvcached backs Mamba state from vLLM 0.29 ({MAMBA_PATCH}); refused here (test below)")
     kind, args = CASES[request.param]
     model = _model(workdir, kind)
     base = os.path.join(workdir, request.param)
@@ -82,7 +108,9 @@ def test_greedy_tokens_identical_with_prefix_caching_and_preemption(runs):
     assert "kvcached: instance" in kv["log"], f"{family}: kvcached did not back the pool"
     assert len(kv["tokens1"]) == 8 and all(len(t) == 140 for t in kv["tokens1"])
     assert kv["tokens1"] == native["tokens1"], family
-    assert kv["tokens2"] == native["tokens2"] == native["tokens1"], family
+    assert kv["tokens2"] == native["tokens2"], family
+    if family not in PASS_2_MAY_DIFFER:
+        assert native["tokens2"] == native["tokens1"], family
     assert kv.get("tokensL") == native.get("tokensL"), family
     for run in (native, kv):
         assert run["metrics"].get("vllm:num_preemptions", 0) > 0, (family, run["metrics"])
@@ -111,3 +139,22 @@ def test_long_decodes_cross_many_blocks_with_sliding_window_blocks_returned(runs
     # (kept, each request alone would need 68).
     for run in (native, kv):
         assert run["metrics"]["vllm:num_preemptions"] > run["metrics_a"].get("vllm:num_preemptions", 0), family
+
+
+def test_mamba_state_refused_in_one_line_where_not_proven(workdir):
+    """vLLM 0.26-0.28 (where no engine run proved kvcached's layout of Mamba state):
+    start-up stops with one line naming the model feature, before any request."""
+    if _mamba_served():
+        pytest.skip("this vLLM serves Mamba state with kvcached (the family test above)")
+    model = _model(workdir, "qwen3_next")
+    out = os.path.join(workdir, "qwen3_next_refused.json")
+    name = f"kvt_family_refused_{os.getpid()}"
+    env = h.engine_env(True, name, KVCACHED_HOST_MEMORY_BUDGET="256M")
+    with pytest.raises(AssertionError):
+        h.run_driver(model, out, env, *CASES["qwen3-next"][1], "--name", name, script="vllm_family_driver.py")
+    with open(out + ".log", errors="replace") as f:
+        log = f.read()
+    line = "kvcached does not support Mamba / linear-attention state yet (KV cache spec MambaSpec"
+    assert line in log, log[-3000:]
+    assert "unset ENABLE_KVCACHED for this model" in log
+    assert not os.path.exists(out)  # no request ran

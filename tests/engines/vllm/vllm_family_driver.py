@@ -2,7 +2,7 @@
 ENABLE_KVCACHED is read at interpreter start, so kvcached and native runs are
 separate processes).
 
-    python vllm_family_driver.py MODEL_DIR OUT_JSON --blocks N [--kv-cache-dtype fp8]
+    python vllm_family_driver.py MODEL_DIR OUT_JSON --blocks N [--kv-cache-dtype fp8] [--dtype bfloat16]
                                  [--long TOKENS] [--no-hybrid] [--name NAME]
 
 Prefix caching is on and the pool has ``--blocks`` blocks (``num_gpu_blocks_override``,
@@ -39,6 +39,7 @@ def main() -> int:
     ap.add_argument("--name", default="")
     ap.add_argument("--blocks", type=int, required=True)
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--dtype", default="float32", help="bfloat16 for models whose CPU kernels take no other")
     ap.add_argument("--long", type=int, default=0)
     ap.add_argument("--long-prompts", type=int, default=2)
     ap.add_argument("--no-hybrid", action="store_true", help="disable_hybrid_kv_cache_manager: one group")
@@ -50,13 +51,17 @@ def main() -> int:
     t0 = time.monotonic()
     llm = LLM(
         model=a.model,
-        dtype="float32",
+        dtype=a.dtype,
         max_model_len=max(512, a.long + 256),
         max_num_seqs=8,
         enforce_eager=True,
         seed=0,
         enable_prefix_caching=True,
         num_gpu_blocks_override=a.blocks,
+        # The pool is num_gpu_blocks_override blocks either way; vLLM's CPU worker only
+        # checks at start-up that this share of the machine's memory is free (0.92 by
+        # default: a start-up error whenever anything else holds 1.5 GiB).
+        gpu_memory_utilization=0.5,
         kv_cache_dtype=a.kv_cache_dtype,
         disable_log_stats=False,
         **({"disable_hybrid_kv_cache_manager": True} if a.no_hybrid else {}),
