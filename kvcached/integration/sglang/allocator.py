@@ -87,11 +87,10 @@ class _ElasticAllocatorMixin:
     def _kvcached_bind(self, kvcache: Any) -> None:
         grp = getattr(kvcache, "kvcached_group", None)
         if grp is None:
-            # E.g. HybridLinearKVPool (Mamba/GDN hybrids): its full-attention
-            # leaf is elastic, but the composite's state pools are not.
+            # __new__ builds SGLang's own allocator for a pool that is not elastic;
+            # only a subclass or a direct call gets here.
             raise conflicts.refuse(
-                f"SGLang's {type(kvcache).__name__} KV pool is not one kvcached makes elastic (Mamba / "
-                "linear-attention hybrids such as Qwen3-Next and Qwen3.5 keep a static state pool)",
+                f"SGLang's {type(kvcache).__name__} KV pool is not one kvcached makes elastic",
                 "use an MHA/GQA, MLA or sliding-window hybrid model",
             )
         self.kvcached_group = grp

@@ -156,6 +156,13 @@ def check_built_allocator(alloc: Any, pool: Any) -> None:
     elastic_alloc = isinstance(alloc, (_ElasticAllocatorMixin, ElasticSWATokenToKVPoolAllocator))
     if is_elastic_pool(pool) and elastic_alloc:
         return
+    if getattr(pool, "mamba_pool", None) is not None or type(pool).__name__ == "HybridLinearKVPool":
+        # Qwen3-Next / Qwen3.5 / Nemotron-H: the attention leaf is elastic, the state pool is not.
+        raise refuse(
+            f"SGLang's {type(pool).__name__} pairs the attention KV with a Mamba / linear-attention state pool, "
+            "which kvcached's SGLang integration does not make elastic",
+            "serve this model with vLLM 0.29+ (kvcached backs its Mamba state) or without kvcached",
+        )
     if isinstance(alloc, SWATokenToKVPoolAllocator):
         raise refuse(
             f"hybrid sliding-window models need SGLang {SWA} with kvcached ({type(alloc).__name__})",

@@ -126,9 +126,10 @@ def is_elastic_pool(kvcache: Any) -> bool:
         return False
     if getattr(kvcache, "kvcached_group", None) is not None:
         return True
+    # Both sub-pools: a Mamba hybrid's HybridLinearKVPool also has an (elastic)
+    # full_kv_pool, beside a state pool kvcached does not back.
     subs = [getattr(kvcache, n, None) for n in ("full_kv_pool", "swa_kv_pool")]
-    subs = [s for s in subs if s is not None]
-    return bool(subs) and all(getattr(s, "kvcached_group", None) is not None for s in subs)
+    return all(getattr(s, "kvcached_group", None) is not None for s in subs)
 
 
 def shutdown_all() -> None:
