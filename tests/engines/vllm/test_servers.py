@@ -175,14 +175,13 @@ class _Load:
             self._ex.shutdown()
 
 
-def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_request_completes(servers, native_run):
+def _lower_the_limit_while_decoding(s1: h.Server, s2: h.Server, n: int) -> dict:
+    """Streams the grow load at S2 and lowers its limit to CAP once ``n`` requests run;
+    what the client and the record saw."""
     from kvcached.control import set_instance_memory_limit
 
-    s2 = servers["s2"]
-    n = len(h.grow_prompts())  # vLLM's max_num_seqs
     assert h.kvctl("limit", s2.name, "4M").returncode == 0
     preempted = h.metrics(s2).get("vllm:num_preemptions_total", 0)
-    s1 = servers["s1"]
     with h.Sampler([s1.name, s2.name], workers=False, period=0.005) as sampler:
         # The prompts twice over: 8 requests that arrive staggered may never all run at
         # once (CI: at most 7), 16 keep vLLM's 8 sequences full.
@@ -207,12 +206,32 @@ def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_requ
         f"vLLM never ran {n} requests at once (at most {load.most_running}); at the end: {at_drop}; "
         f"pages S1 mapped meanwhile: {s1_pages}"
     )
-    assert got == native_run["tokensD"] * 2  # no request failed; preempted ones recomputed the same tokens
     during = [h.mapped(s[s2.name]) for s in sampler.samples if t_drop < s["t"] < t_done and s.get(s2.name)]
-    seen = f"at the drop: {at_drop}; pages after it: {sorted(set(m // h.BPP for m in during))}"
-    assert h.metrics(s2).get("vllm:num_preemptions_total", 0) > preempted, seen
-    assert during and max(during) > CAP  # it was over the new limit when it was lowered ...
-    assert min(during) <= CAP  # ... and got under it while its requests still decoded
+    return dict(
+        got=got,
+        during=during,
+        decoded_after_drop_s=t_done - t_drop,
+        preemptions=h.metrics(s2).get("vllm:num_preemptions_total", 0) - preempted,
+        seen=f"at the drop: {at_drop}; {t_done - t_drop:.2f} s of load after it; "
+        f"pages after it: {sorted(set(m // h.BPP for m in during))}",
+    )
+
+
+def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_request_completes(servers, native_run):
+    s1, s2 = servers["s1"], servers["s2"]
+    n = len(h.grow_prompts())  # vLLM's max_num_seqs
+    for _ in range(3):
+        run = _lower_the_limit_while_decoding(s1, s2, n)
+        assert run["got"] == native_run["tokensD"] * 2  # no request failed; preempted ones recomputed the same
+        if run["preemptions"] > 0 or run["decoded_after_drop_s"] > 1.0:
+            break
+        # The client saw 8 running only as the load was ending (a finished stream not yet
+        # counted): its requests finished instead of shrinking. Not the case under test; again.
+    seen = run["seen"]
+    during = run["during"]
+    assert run["preemptions"] > 0, seen
+    assert during and max(during) > CAP, seen  # it was over the new limit when it was lowered ...
+    assert min(during) <= CAP, seen  # ... and got under it while its requests still decoded
     # Raised again: the same load grows past the old limit.
     assert h.kvctl("limit", s2.name, "4M").returncode == 0
     with h.Sampler([s2.name], workers=False) as sampler:
