@@ -3,7 +3,8 @@
 # python3 has vLLM and kvcached (on the lent H200: source scripts/gpu_device_install.sh first).
 #   model        random-weight Llama-3-8B and Llama-3.2-1B shapes in bf16, drawn on the GPU,
 #                word-level tokenizer (kvcached.testing.tiny_model --preset), and a small
-#                DeepSeek-V2 (MLA) with the latent sizes GPU kernels take (tiny_families)
+#                DeepSeek-V2 (MLA) with the latent sizes GPU kernels take and a small
+#                Qwen3-Next (tiny_families)
 #   limits       kvctl limit lowered while decoding (at or under it within 1 s), raised again
 #   correctness  greedy tokens with and without kvcached, vLLM defaults, KV large enough that
 #                nothing is evicted, and a second native engine as the control
@@ -11,6 +12,8 @@
 #                the same with batch-invariant kernels and a kvcached limit a third of the
 #                load's need: preemption and eviction all the time (the release-fence test)
 #   mla          the MLA model: native vs kvcached (and a control), then under a small limit
+#   hybrid       the same for a small Qwen3-Next (gated-delta-net state and attention KV in one
+#                elastic pool; needs mamba_state_shared_by_0_28 + mamba_state_views_as_strided_0_26)
 #   overhead     vllm bench serve native vs kvcached (and a kvcached that keeps emptied pages
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back
@@ -26,10 +29,11 @@ WORK="${KVCACHED_PROOF_WORK:-/tmp/kvcached-proof}"
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(model limits correctness correctness-limit mla overhead three router)
+[ ${#steps[@]} -eq 0 ] && steps=(model limits correctness correctness-limit mla hybrid overhead three router)
 big="$WORK/models/llama3-8b"
 small="$WORK/models/llama3-1b"
 mla="$WORK/models/deepseek-v2-mla"
+hybrid="$WORK/models/qwen3-next"
 proof=scripts/gpu_proof
 rc=0
 # run STEP SCRIPT ARGS...: the step's script with its work folder, its table to $OUT/STEP.txt.
@@ -51,6 +55,8 @@ for step in "${steps[@]}"; do
       done
       [ -f "$mla/config.json" ] || python3 -m kvcached.testing.tiny_families deepseek_v2 "$mla" \
         --gpu-shapes --vocab-size 32000 || rc=1
+      [ -f "$hybrid/config.json" ] || python3 -m kvcached.testing.tiny_families qwen3_next "$hybrid" \
+        --vocab-size 32000 || rc=1
       du -sh "$WORK/models"/* | tee -a "$OUT/steps.txt" ;;
     limits) run "$step" $proof/limits.py --model "$big" ;;
     # 200 prompts need 18.9 GiB of KV if nothing is ever evicted: 22G each.
@@ -60,11 +66,13 @@ for step in "${steps[@]}"; do
       --only native-bi,kvcached-limit ;;
     mla) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --limit 256M \
       --only native,kvcached,native-2,kvcached-limit --control --no-batch-invariant ;;
+    hybrid) run "$step" $proof/correctness.py --model "$hybrid" --prompts 200 --kv 2G --limit 256M \
+      --only native,kvcached,native-2,kvcached-limit --control --no-batch-invariant ;;
     overhead) run "$step" $proof/overhead.py --model "$big" --kv 24G --inf-requests 256 --rates 32,inf \
       --rounds 3 --seconds 10 --variant keep:KVCACHED_MAX_RESERVED_PAGES=700 ;;
     three) run "$step" $proof/three_models.py --model "$small" --plot "$OUT/gpu_three_models.png" ;;
     router) run "$step" $proof/router_three.py --model "$small" --plot "$OUT/gpu_router_three.png" ;;
-    *) echo "unknown step $step (model limits correctness correctness-limit mla overhead three router)" >&2
+    *) echo "unknown step $step (model limits correctness correctness-limit mla hybrid overhead three router)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

@@ -511,6 +511,59 @@ def test_views_of_runner_buffers_must_put_blocks_outermost():
         KVLayoutPlan.tensor_reader = old
 
 
+def _vllm_026_state_views(raw, num_blocks: int, page: int, shapes, dtype):
+    """vLLM 0.26's runner code for a MambaSpec layer (``_reshape_kv_cache_tensors``)."""
+    import torch
+
+    views, offset = [], 0
+    for shape in shapes:
+        size = dtype.itemsize
+        stride = torch.empty((num_blocks, *shape)).stride()
+        views.append(
+            torch.as_strided(
+                raw.view(dtype), (num_blocks, *shape), (page // size, *stride[1:]), storage_offset=offset // size
+            )
+        )
+        offset += stride[0] * size
+    return views
+
+
+def test_vllm_026_state_views_are_moved_onto_their_layers_buffer():
+    """0.26 cuts state views at offsets from the storage's start: on kvcached's one
+    FTensor every Mamba layer would alias the first buffer. ``rebase_state_views`` moves
+    each onto its own region; the blocks-outermost check then accepts them."""
+    torch = pytest.importorskip("torch")
+    from kvcached.integration.vllm import kv_layout, worker_kv
+
+    blocks, page = 8, 8 * KiB
+    cfg = _shared_by_config(blocks, page)
+    old = KVLayoutPlan.tensor_reader
+    KVLayoutPlan.tensor_reader = staticmethod(kv_layout.read_shared_by_tensors)
+    try:
+        ftensor = torch.zeros(2 * blocks * page, dtype=torch.int8)
+        raw = {"l0": ftensor[: blocks * page], "l1": ftensor[blocks * page :]}  # elastic_raw_tensors' regions
+        shapes = [(3, 16), (4, 8, 8)]  # conv, SSM
+        caches = {name: _vllm_026_state_views(r, blocks, page, shapes, torch.float32) for name, r in raw.items()}
+        assert caches["l1"][0].data_ptr() == ftensor.data_ptr()  # the bug: l1 aliases l0's buffer
+        ids = [id(t) for t in caches["l1"]]
+        worker_kv.rebase_state_views(caches, raw)
+        assert [id(t) for t in caches["l1"]] == ids  # moved in place: the runner keeps these objects
+        for views in caches.values():
+            for i, v in enumerate(views):
+                v[5].fill_(1.0 + i)
+        l0, l1 = (r.view(blocks, page).view(torch.float32) for r in raw.values())
+        assert torch.equal(l0, l1) and l0[5].sum() == 3 * 16 + 2 * 4 * 8 * 8 and l0[4].sum() == 0
+        worker_kv.check_blocks_outermost(caches, cfg)
+        worker_kv.rebase_state_views(caches, raw)  # already in place: unchanged
+        assert caches["l1"][0].data_ptr() == raw["l1"].data_ptr()
+        too_big = {"l0": [raw["l0"].view(torch.float32).as_strided((blocks, 4096), (page // 4, 1))]}
+        with pytest.raises(InvalidArgumentError, match="state view of l0 .* does not lie in its KV buffer") as e:
+            worker_kv.rebase_state_views(too_big, raw)
+        assert "\n" not in str(e.value)
+    finally:
+        KVLayoutPlan.tensor_reader = old
+
+
 def _spec_class(name: str) -> type:
     """A stand-in for a vLLM KV cache spec class (the plan reads the class name and attributes)."""
     return type(name, (SimpleNamespace,), {})
@@ -562,16 +615,20 @@ def test_plan_refuses_kv_cache_kinds_not_proven_in_one_line(specs, match):
     assert plan.physical_pages(1) == (1,)  # both groups' block 32 live on the same page
 
 
-def test_mamba_state_is_backed_where_its_version_patch_applies(monkeypatch):
-    """``mamba_state_0_29`` (vLLM 0.29+) serves MambaSpec groups: state blocks are
-    blocks of the same pool, at their layer's block address. Pages evened out by vLLM
-    tie; the plan's tokens per block are the attention group's (a state block's
+@pytest.mark.parametrize(
+    "name, inside, outside",
+    [("mamba_state_shared_by_0_28", "0.26.0", "0.29.0"), ("mamba_state_0_29", "0.29.0", "0.28.2")],
+)
+def test_mamba_state_is_backed_where_its_version_patch_applies(monkeypatch, name, inside, outside):
+    """``mamba_state_shared_by_0_28`` / ``mamba_state_0_29`` serve MambaSpec groups: state
+    blocks are blocks of the same pool, at their layer's block address. Pages evened out
+    by vLLM tie; the plan's tokens per block are the attention group's (a state block's
     ``block_size`` is the model length, no cached tokens)."""
     from kvcached.integration.vllm import kv_layout, versions
 
     monkeypatch.setattr(kv_layout, "SUPPORTED_SPECS", kv_layout.SUPPORTED_SPECS)
-    patch = next(p for p in versions.all_patches() if p.name == "mamba_state_0_29")
-    assert parse_version("0.29.0") in patch.versions and parse_version("0.28.2") not in patch.versions
+    patch = next(p for p in versions.all_patches() if p.name == name)
+    assert parse_version(inside) in patch.versions and parse_version(outside) not in patch.versions
     mamba = _spec_class("MambaSpec")(page_size_bytes=64 * KiB, block_size=4096)
     attention = FullAttentionSpec(page_size_bytes=64 * KiB, block_size=128, num_kv_heads=4)
     with pytest.raises(InvalidArgumentError, match="Mamba"):

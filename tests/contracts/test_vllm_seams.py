@@ -414,6 +414,25 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
             has_methods(KVI, "MambaSpec", ["page_size_bytes"]),
         ),
     ],
+    "mamba_state_shared_by_0_28": [
+        (
+            "KVCacheTensor(size, shared_by, ...): a state block at b * page bytes of its layer's buffer",
+            sets_attrs(KVI, "KVCacheTensor", ["size", "shared_by", "offset", "block_stride"]),
+        ),
+        (
+            "MambaSpec.page_size_bytes (evened out with the attention pages)",
+            has_methods(KVI, "MambaSpec", ["page_size_bytes"]),
+        ),
+    ],
+    "mamba_state_views_as_strided_0_26": [
+        (
+            "both runners cut state views with as_strided(raw, storage_offset=...) (worker_kv.rebase_state_views)",
+            all_of(
+                calls_in(GPUMR, "GPUModelRunner._reshape_kv_cache_tensors", ".as_strided", ("storage_offset",)),
+                calls_in(V2ATTN, "_reshape_kv_cache", ".as_strided", ("storage_offset",)),
+            ),
+        ),
+    ],
     "kv_tensors_shared_by_0_28": [
         (
             "KVCacheTensor(size, shared_by, offset, block_stride) (no layers, no layer_stride)",

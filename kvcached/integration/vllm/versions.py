@@ -38,6 +38,7 @@ V026_028 = VersionRange.parse(">=0.26,<0.29")
 # 0.29+: allocate_kv_cache and KVCacheTensor(size, layers, layer_stride, ...).
 V029_034 = VersionRange.parse(">=0.29,<0.35")
 V029 = VersionRange.parse(">=0.29,<0.30")
+V026 = VersionRange.parse(">=0.26,<0.27")
 # 0.26-0.29: KVCacheBlock has no pool field, BlockPool no reuse watchers.
 V026_029 = VersionRange.parse(">=0.26,<0.30")
 V030_034 = VersionRange.parse(">=0.30,<0.35")
@@ -133,6 +134,12 @@ def _mamba_state(module: ModuleType) -> None:
     from kvcached.integration.vllm import kv_layout
 
     kv_layout.serve_spec("MambaSpec")
+
+
+def _mamba_state_views_as_strided(module: ModuleType) -> None:
+    from kvcached.integration.vllm import worker_kv
+
+    worker_kv.fix_state_views = worker_kv.rebase_state_views
 
 
 def _kv_blocks_per_tensor(module: ModuleType) -> None:
@@ -258,12 +265,28 @@ def all_patches() -> List[BasePatch]:
             "KVCacheTensor(size, layers, layer_stride, block_stride, offset): placements in one buffer",
         ),
         BasePatch(
+            "mamba_state_shared_by_0_28",
+            "vllm.v1.kv_cache_interface",
+            V026_028,
+            _mamba_state,
+            "<=0.28: Mamba / gated-delta-net state (MambaSpec) blocks at b * page bytes of their shared_by buffer: "
+            "backed like KV blocks (proven on the 0.26 CPU engine with Qwen3-Next)",
+        ),
+        BasePatch(
             "mamba_state_0_29",
             "vllm.v1.kv_cache_interface",
             V029_034,
             _mamba_state,
             "Mamba / gated-delta-net state (MambaSpec) blocks at their layer's block address in the one buffer: "
             "backed like KV blocks (proven on 0.29 and 0.32 CPU engines with Qwen3-Next)",
+        ),
+        BasePatch(
+            "mamba_state_views_as_strided_0_26",
+            "vllm.v1.kv_cache_interface",
+            V026,
+            _mamba_state_views_as_strided,
+            "0.26: the runners cut Mamba state views with as_strided(storage_offset=...) from the storage's start, "
+            "the FTensor's here: moved onto each layer's buffer (worker_kv.rebase_state_views)",
         ),
         # ----------------------------------------------------- worker: KV buffer
         BasePatch(
@@ -420,7 +443,13 @@ KNOWN_BREAKS: Dict[Tuple[str, str], str] = {
     ),
     **_outside("kv_tensors_shared_by_0_28", _M029_034, _LAYERS),
     **_outside("kv_tensors_by_layers", _M026_028, _SHARED_BY),
+    **_outside("mamba_state_shared_by_0_28", _M029_034, _LAYERS),
     **_outside("mamba_state_0_29", _M026_028, _SHARED_BY),
+    **_outside(
+        "mamba_state_views_as_strided_0_26",
+        _M026_028[1:] + _M029_034,
+        "0.27+: a Mamba layer slices its state out of its own block views (nothing to move)",
+    ),
     **_outside("runner_v1_kv_buffer_0_28", _M029_034, _LAYERS),
     **_outside("runner_v2_kv_buffer_0_28", _M029_034, _LAYERS),
     **_outside("worker_allocate_kv_cache", _M026_028, _SHARED_BY),

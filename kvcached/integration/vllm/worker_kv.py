@@ -274,18 +274,59 @@ def check_blocks_outermost(kv_caches: Dict[str, Any], kv_cache_config: Any) -> N
     block_bytes = {
         layer: p.block_bytes for t, p in zip(kv_cache_config.kv_cache_tensors, plan.placements) for layer in t.shared_by
     }
-    for name, t in kv_caches.items():
-        if not isinstance(t, torch.Tensor):
+    for name, view in kv_caches.items():
+        # A Mamba layer's value is its state tensors (conv, SSM), each a view with
+        # block b at b * block bytes of the same buffer.
+        for t in view if isinstance(view, (list, tuple)) else (view,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            n0 = int(t.shape[0]) if t.dim() else 0
+            split = n0 // plan.num_blocks if n0 and n0 % plan.num_blocks == 0 else 0
+            if not split or int(t.stride(0)) * t.element_size() * split != block_bytes.get(name, plan.block_bytes):
+                raise InvalidArgumentError(
+                    f"kvcached: the KV cache view of {name} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) "
+                    "does not put blocks outermost, so kvcached cannot tell which pages hold a block; choose a "
+                    "blocks-first attention backend (FlashAttention, FlashInfer, Triton) or unset ENABLE_KVCACHED"
+                )
+
+
+def keep_state_views(kv_caches: Dict[str, Any], raw: Dict[str, Any]) -> None:
+    """vLLM 0.27-0.28: a Mamba layer's value is a slice of its buffer (a ``[B, 1, 1, C]``
+    page view the layer unpacks itself): nothing to move."""
+
+
+def rebase_state_views(kv_caches: Dict[str, Any], raw: Dict[str, Any]) -> None:
+    """vLLM 0.26 cuts a Mamba layer's state views with ``torch.as_strided(raw.view(dtype),
+    storage_offset=...)``: an offset from the start of the *storage*, which is the layer's
+    own buffer natively but kvcached's one FTensor here (``elastic_raw_tensors`` hands out
+    regions of it). Left as is, every Mamba layer reads and writes the first region (wrong
+    tokens from the first one on). Each state view found before its layer's region is moved
+    by the region's offset, in place (the runner keeps these tensor objects); one that
+    still leaves its region is an error."""
+    for name, view in kv_caches.items():
+        region = raw.get(name)
+        if region is None or not isinstance(view, (list, tuple)):
             continue
-        n0 = int(t.shape[0]) if t.dim() else 0
-        split = n0 // plan.num_blocks if n0 and n0 % plan.num_blocks == 0 else 0
-        if not split or int(t.stride(0)) * t.element_size() * split != block_bytes.get(name, plan.block_bytes):
-            raise InvalidArgumentError(
-                f"kvcached: the attention backend's KV cache view of {name} (shape {tuple(t.shape)}, strides "
-                f"{tuple(t.stride())}) does not put blocks outermost, so kvcached cannot tell which pages hold a "
-                "block; choose a blocks-first attention backend (FlashAttention, FlashInfer, Triton) or unset "
-                "ENABLE_KVCACHED"
-            )
+        start, end = region.data_ptr(), region.data_ptr() + region.numel() * region.element_size()
+        for t in view:
+            if t.data_ptr() < start:
+                shift, rest = divmod(region.storage_offset() * region.element_size(), t.element_size())
+                if rest:
+                    raise InvalidArgumentError(
+                        f"kvcached: the state view of {name} cannot be moved to its buffer (offset {rest} B off its "
+                        "element size); unset ENABLE_KVCACHED for this model"
+                    )
+                t.as_strided_(t.shape, t.stride(), t.storage_offset() + shift)
+            last = t.data_ptr() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * t.element_size()
+            if not start <= t.data_ptr() <= last < end:
+                raise InvalidArgumentError(
+                    f"kvcached: the state view of {name} (shape {tuple(t.shape)}) does not lie in its KV buffer; "
+                    "unset ENABLE_KVCACHED for this model"
+                )
+
+
+# Which of the two this vLLM needs (versions.py: mamba_state_views_as_strided_0_26).
+fix_state_views: Callable[[Dict[str, Any], Dict[str, Any]], None] = keep_state_views
 
 
 def patch_runner_v1_kv_buffer(module: ModuleType) -> None:
@@ -303,6 +344,7 @@ def patch_runner_v1_kv_buffer(module: ModuleType) -> None:
         def _reshape_kv_cache_tensors(self, kv_cache_raw_tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
             kv_caches = orig(self, kv_cache_raw_tensors, *args, **kwargs)
             if self.kv_cache_config.kv_cache_tensors:
+                fix_state_views(kv_caches, kv_cache_raw_tensors)
                 check_blocks_outermost(kv_caches, self.kv_cache_config)
             return kv_caches
 
@@ -333,6 +375,8 @@ def patch_runner_v2_kv_buffer(module: ModuleType) -> None:
                 "cannot check them; unset ENABLE_KVCACHED"
             )
         if kv_cache_config.kv_cache_tensors:
+            raw = kwargs["kv_cache_raw_tensors"] if "kv_cache_raw_tensors" in kwargs else args[1]
+            fix_state_views(kv_caches, raw)
             check_blocks_outermost(kv_caches, kv_cache_config)
         return kv_caches
 

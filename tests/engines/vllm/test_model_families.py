@@ -14,11 +14,12 @@ on and a pool small enough that vLLM must preempt (``vllm_family_driver.py``).
   group of full-attention layers whose blocks differ in size (64 and 128 KiB),
   one KV tensor per size.
 * ``qwen3-next``: gated-delta-net (linear attention) layers beside full-attention
-  layers (bfloat16: vLLM's CPU kernel takes no other). Each request's recurrent
-  state is a block of the ``MambaSpec`` group, evened out with the attention pages
-  (128-token blocks) and drawn from the same pool ("align" mode under prefix
-  caching: a state block per cached prefix block too). vLLM 0.29+ (patch
-  ``mamba_state_0_29``); on 0.26-0.28 kvcached refuses it at start-up in one line.
+  layers (bfloat16: vLLM's CPU kernel takes no other; a float32 SSM state, which
+  0.26's CPU kernel needs). Each request's recurrent state is a block of the
+  ``MambaSpec`` group, evened out with the attention pages and drawn from the same
+  pool ("align" mode under prefix caching: a state block per cached prefix block
+  too). Patches ``mamba_state_shared_by_0_28`` (+ ``mamba_state_views_as_strided_0_26``)
+  and ``mamba_state_0_29``.
 """
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ CASES = {
     "gemma3": ("gemma3", ("--blocks", "80", "--long", "2000", "--long-prompts", "4")),
     "gemma4": ("gemma4", ("--blocks", "40")),
     "gemma4-one-group": ("gemma4", ("--blocks", "24", "--no-hybrid")),
-    "qwen3-next": ("qwen3_next", ("--blocks", "16", "--dtype", "bfloat16")),
+    "qwen3-next": ("qwen3_next", ("--blocks", "16", "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32")),
 }
-MAMBA_PATCH = "mamba_state_0_29"
 
 # bfloat16: a request resumed from a cached prefix or recomputed after a preemption
 # rounds differently from one prefilled whole, so its tokens depend on the schedule:
@@ -77,21 +77,8 @@ def _driver(model: str, out: str, env: dict, args) -> dict:
         raise
 
 
-def _mamba_served() -> bool:
-    """Whether kvcached backs Mamba state on the installed vLLM (its patch's range)."""
-    import vllm
-
-    from kvcached.integration.patch_base import parse_version
-    from kvcached.integration.vllm.versions import all_patches
-
-    v = parse_version(vllm.__version__)
-    return any(p.name == MAMBA_PATCH and v in p.versions for p in all_patches())
-
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def runs(request, workdir):
-    if request.param == "qwen3-next" and not _mamba_served():
-        pytest.skip(f"kvcached backs Mamba state from vLLM 0.29 ({MAMBA_PATCH}); refused here (test below)")
     kind, args = CASES[request.param]
     model = _model(workdir, kind)
     base = os.path.join(workdir, request.param)
@@ -142,22 +129,3 @@ def test_long_decodes_cross_many_blocks_with_sliding_window_blocks_returned(runs
     # (kept, each request alone would need 68).
     for run in (native, kv):
         assert run["metrics"]["vllm:num_preemptions"] > run["metrics_a"].get("vllm:num_preemptions", 0), family
-
-
-def test_mamba_state_refused_in_one_line_where_not_proven(workdir):
-    """vLLM 0.26-0.28 (where no engine run proved kvcached's layout of Mamba state):
-    start-up stops with one line naming the model feature, before any request."""
-    if _mamba_served():
-        pytest.skip("this vLLM serves Mamba state with kvcached (the family test above)")
-    model = _model(workdir, "qwen3_next")
-    out = os.path.join(workdir, "qwen3_next_refused.json")
-    name = f"kvt_family_refused_{os.getpid()}"
-    env = h.engine_env(True, name, KVCACHED_HOST_MEMORY_BUDGET="256M")
-    with pytest.raises(AssertionError):
-        h.run_driver(model, out, env, *CASES["qwen3-next"][1], "--name", name, script="vllm_family_driver.py")
-    with open(out + ".log", errors="replace") as f:
-        log = f.read()
-    line = "kvcached does not support Mamba / linear-attention state yet (KV cache spec MambaSpec"
-    assert line in log, log[-3000:]
-    assert "unset ENABLE_KVCACHED for this model" in log
-    assert not os.path.exists(out)  # no request ran

@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="bfloat16 for models whose CPU kernels take no other")
     ap.add_argument("--long", type=int, default=0)
     ap.add_argument("--long-prompts", type=int, default=2)
+    ap.add_argument(
+        "--mamba-ssm-cache-dtype", default="auto", help="float32: vLLM 0.26-0.28's CPU gated-delta rule wants it"
+    )
     ap.add_argument("--no-hybrid", action="store_true", help="disable_hybrid_kv_cache_manager: one group")
     a = ap.parse_args()
 
@@ -63,6 +66,7 @@ def main() -> int:
         # default: a start-up error whenever anything else holds 1.5 GiB).
         gpu_memory_utilization=0.5,
         kv_cache_dtype=a.kv_cache_dtype,
+        mamba_ssm_cache_dtype=a.mamba_ssm_cache_dtype,
         disable_log_stats=False,
         **({"disable_hybrid_kv_cache_manager": True} if a.no_hybrid else {}),
     )
