@@ -106,12 +106,14 @@ def child(a: argparse.Namespace) -> int:
         spec = json.load(f)
     kw = dict(
         model=a.model,
-        dtype="float32" if a.cpu else "bfloat16",
+        dtype=a.dtype or ("float32" if a.cpu else "bfloat16"),
         max_model_len=a.max_model_len,
         kv_cache_memory_bytes=a.kv_bytes,
         seed=0,
         disable_log_stats=False,
     )
+    if a.mamba_ssm_cache_dtype:
+        kw["mamba_ssm_cache_dtype"] = a.mamba_ssm_cache_dtype
     if a.cpu:
         kw["enforce_eager"] = True
     else:
@@ -169,6 +171,10 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--cpu", action="store_true", help="dry run on vLLM-CPU with the tiny model")
     ap.add_argument("--only", default=None, help="comma list of engines to run (default all four)")
+    ap.add_argument("--dtype", default=None, help="model dtype (default bfloat16; --cpu float32)")
+    ap.add_argument(
+        "--mamba-ssm-cache-dtype", default=None, help="a hybrid's SSM state dtype (vLLM-CPU 0.26's GDN: float32)"
+    )
     ap.add_argument(
         "--no-batch-invariant",
         action="store_true",
@@ -235,6 +241,8 @@ def main(argv: List[str] | None = None) -> int:
             os.path.join(a.out, f"{label}.json"),
         ]
         cmd += ["--max-model-len", str(a.max_model_len)] + (["--cpu"] if a.cpu else [])
+        for flag, value in (("--dtype", a.dtype), ("--mamba-ssm-cache-dtype", a.mamba_ssm_cache_dtype)):
+            cmd += [flag, value] if value else []
         cmd += ["child", "--prompts-file", pf, "--label", label, "--name", name, "--kv-bytes", str(parse_size(kv))]
         if lim:
             cmd += ["--child-limit", lim]

@@ -96,6 +96,7 @@ class _ElasticAllocatorMixin:
         self.kvcached_group = grp
         self._mgr = grp.manager
         self._holes = grp.holes
+        grp.drains.append(self.drop_set_aside)
         # Frees held until free_group_end (None: not in a group).
         self._kv_pending: Optional[List[torch.Tensor]] = None
         # The scheduler's prefix cache (scheduler_hooks.after_init): evicted from when an
@@ -129,7 +130,26 @@ class _ElasticAllocatorMixin:
 
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests=None, spec_algorithm=None) -> bool:
         self.evict_to_free_tokens(tree_cache, num_tokens)
-        return self.physical_available_size() >= num_tokens
+        return self.set_aside(num_tokens)
+
+    def set_aside(self, num_tokens: int) -> bool:
+        """Maps and sets aside (``KVCacheManager.try_to_reserve``) what an allocation of
+        ``num_tokens`` will take, or answers False with nothing changed. A count read here
+        and acted on later would race a limit lowered meanwhile (``kvctl limit``, a peer's
+        want): the decode step's ``alloc`` would come up short and crash SGLang's scheduler.
+        The next allocations take set-aside blocks first; what is left over goes back at
+        idle (``drop_set_aside``)."""
+        blocks = -(-self._tokens_beyond_local(num_tokens) // self.page_size)
+        return blocks <= 0 or self._mgr.try_to_reserve(blocks)
+
+    def _tokens_beyond_local(self, num_tokens: int) -> int:
+        """Tokens an allocation must take from the manager (the token allocator keeps spare slots)."""
+        return num_tokens
+
+    def drop_set_aside(self) -> int:
+        """Idle: blocks set aside and not taken go back to the manager; returns 0 (no slots drained)."""
+        self._mgr.free_reserved()
+        return 0
 
     # -- free groups (process_batch_result frees a batch's requests inside one) ------
     def free_group_begin(self) -> None:
@@ -216,6 +236,10 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
 
     def available_size(self) -> int:
         return super().available_size() + self._spare.numel()
+
+    def _tokens_beyond_local(self, num_tokens: int) -> int:
+        # Spare slots go first (alloc); nothing drains them between a check and its alloc.
+        return num_tokens - self._spare.numel()
 
     def physical_available_size(self) -> int:
         return super().physical_available_size() + self._spare.numel()

@@ -74,7 +74,10 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
 
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests=None, spec_algorithm=None) -> bool:
         self.evict_to_free_tokens(tree_cache, num_tokens)
-        return self.physical_available_size() >= num_tokens
+        # Both sides set aside (allocator.set_aside): one side's blocks left over go back at idle.
+        if not self.full_attn_allocator.set_aside(num_tokens):
+            return False
+        return self._swa_req_ring or self.swa_attn_allocator.set_aside(num_tokens)
 
     def new_pages_available(self, num_full_pages: int, num_swa_pages: int) -> bool:
         ps = self.page_size

@@ -412,7 +412,8 @@ def main() -> int:
                 except BaseException as e:  # reported below
                     box["error"] = repr(e)
 
-            th = threading.Thread(target=run_batch)
+            # A daemon: should the engine die, the driver reports it instead of waiting on the request.
+            th = threading.Thread(target=run_batch, daemon=True)
             th.start()
             deadline = time.monotonic() + 60
             while record().used < cfg["limit_bytes"] and time.monotonic() < deadline and th.is_alive():

@@ -387,15 +387,7 @@ def test_capacity_hooks_follow_the_limit_and_available_size_stays_logical() -> N
     assert a.available_size() == 2032 - 16 * 8  # logical: what the leak check compares
     assert a.physical_available_size() == 2 * 16 + 16  # one fresh page + block 1 of page 0
 
-    class _Tree:  # an empty prefix cache (nothing to evict)
-        def supports_prefix_sharing(self):
-            return True
-
-        def supports_mamba(self):
-            return False
-
-        def evictable_size(self):
-            return 0
+    _Tree = _EmptyTree
 
     if sglang_version() >= (0, 5, 21):  # SGLang asks the allocator for a prefill budget from 0.5.21
         budget = a.create_prefill_budget(_Tree())
@@ -408,6 +400,50 @@ def test_capacity_hooks_follow_the_limit_and_available_size_stays_logical() -> N
     assert set_instance_memory_limit(grp.limits.record().total, name=grp.record_name).status == "applied"
     time.sleep(0.05)
     assert a.physical_available_size() == a.available_size()
+    a.free(held)
+
+
+class _EmptyTree:  # an empty prefix cache (nothing to evict)
+    def supports_prefix_sharing(self):
+        return True
+
+    def supports_mamba(self):
+        return False
+
+    def evictable_size(self):
+        return 0
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_a_limit_lowered_between_the_decode_check_and_its_alloc_cannot_fail_the_alloc(ps: int) -> None:
+    """CI (SGLang 0.5.23): `kvctl limit` landed between check_decode_capacity and the
+    decode step's alloc; the alloc came up short and SGLang's scheduler died ("Out of
+    memory"). The check now sets the step's blocks aside, so the alloc takes them; a
+    later check under the lower limit says no (the scheduler retracts), and what was set
+    aside and not taken goes back at idle."""
+    from kvcached.control import set_instance_memory_limit
+
+    _, ours = _pools(2032, ps)
+    a = _allocator(ours, 2032, ps, True)
+    grp, m = ours.kvcached_group, ours.kvcached_group.manager
+    tpp = m.page_size // m.block_mem_size * ps  # tokens per kvcached page
+    held = a.alloc(2 * tpp)
+    assert a.check_decode_capacity(num_tokens=tpp, tree_cache=_EmptyTree())
+    mapped = m.stats()["mapped_pages"]
+    r = set_instance_memory_limit((mapped - 1) * m.bytes_per_page, name=grp.record_name)  # below what is mapped
+    assert r.status == "deferred", r  # in force for new pages
+    time.sleep(0.05)  # the manager re-reads its cap at most every few ms
+    step = a.alloc(tpp)
+    assert step is not None and len(step) == tpp
+    assert not a.check_decode_capacity(num_tokens=tpp, tree_cache=_EmptyTree())
+    assert a.alloc(tpp) is None and m.stats()["reserved_blocks"] == 0
+    assert set_instance_memory_limit(grp.limits.record().total, name=grp.record_name).status == "applied"
+    time.sleep(0.05)
+    assert a.check_decode_capacity(num_tokens=tpp, tree_cache=_EmptyTree())
+    assert m.stats()["reserved_blocks"] == tpp // ps
+    grp.drain()  # idle: what was set aside and not taken goes back
+    assert m.stats()["reserved_blocks"] == 0
+    a.free(step)
     a.free(held)
 
 
