@@ -270,7 +270,7 @@ def all_patches() -> List[BasePatch]:
             V026_028,
             _mamba_state,
             "<=0.28: Mamba / gated-delta-net state (MambaSpec) blocks at b * page bytes of their shared_by buffer: "
-            "backed like KV blocks (proven on the 0.26 CPU engine with Qwen3-Next)",
+            "backed like KV blocks (proven on the 0.26 and 0.28 CPU engines with Qwen3-Next)",
         ),
         BasePatch(
             "mamba_state_0_29",
