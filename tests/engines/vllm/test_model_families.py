@@ -129,3 +129,21 @@ def test_long_decodes_cross_many_blocks_with_sliding_window_blocks_returned(runs
     # (kept, each request alone would need 68).
     for run in (native, kv):
         assert run["metrics"]["vllm:num_preemptions"] > run["metrics_a"].get("vllm:num_preemptions", 0), family
+
+
+def test_a_state_block_larger_than_the_page_stops_start_up_in_one_line(workdir):
+    """A real Qwen3-Next's recurrent state (2 MiB a layer) makes blocks larger than the
+    default page; here the tiny model's evened block (> 64 KiB) against a 64 KiB page:
+    start-up stops before any request with one line naming the page size to use, never
+    an empty or wrong pool."""
+    model = _model(workdir, "qwen3_next")
+    out = os.path.join(workdir, "qwen3_next_small_page.json")
+    name = f"kvt_family_small_page_{os.getpid()}"
+    env = h.engine_env(True, name, KVCACHED_HOST_MEMORY_BUDGET="256M", KVCACHED_PAGE_SIZE=str(64 << 10))
+    with pytest.raises(AssertionError):
+        h.run_driver(model, out, env, *CASES["qwen3-next"][1], "--name", name, script="vllm_family_driver.py")
+    with open(out + ".log", errors="replace") as f:
+        log = f.read()
+    lines = [line for line in log.splitlines() if "does not fit in a page" in line]
+    assert lines and "KVCACHED_PAGE_SIZE=" in lines[-1], log[-3000:]
+    assert not os.path.exists(out)  # no request ran
