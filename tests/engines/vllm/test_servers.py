@@ -264,9 +264,9 @@ def test_bounded_prefix_cache_lets_memory_fall_back_after_load(servers):
     assert rec["prealloc"] <= h.MAX_RESERVED_PAGES * h.BPP, rec
 
 
-def test_an_idle_engine_gives_its_cached_pages_to_a_loaded_peer(servers, native_run):
-    _budget_to_ourselves(servers)
-    s1, s2 = servers["s1"], servers["s2"]
+def _load_a_peer_of_an_idle_cache(s1, s2, native_run) -> tuple:
+    """S2 fills its prefix cache and goes idle; S1 then runs a load larger than what is
+    left of the budget. Returns (S2's bytes held before, S1's peak)."""
     # S2 (unbounded prefix cache) keeps one cached block per request, each on
     # its own page: it ends up holding most of the shared budget while idle.
     _run_all(s2, h.prompts(12, seed=7), 8)
@@ -283,13 +283,27 @@ def test_an_idle_engine_gives_its_cached_pages_to_a_loaded_peer(servers, native_
     assert time.monotonic() - t0 < 120
     after = h.mapped(h.read_record(s2.name))
     assert after < held, (held, after)
-    peak1 = max(h.mapped(s[s1.name]) for s in sampler.samples if s.get(s1.name))
-    assert peak1 > BUDGET - held, "S1 never needed S2's memory: the test did not test anything"
     assert all(
         h.mapped(s[s1.name]) + h.mapped(s[s2.name]) <= BUDGET
         for s in sampler.samples
         if s.get(s1.name) and s.get(s2.name)
     )
+    return held, max(h.mapped(s[s1.name]) for s in sampler.samples if s.get(s1.name))
+
+
+def test_an_idle_engine_gives_its_cached_pages_to_a_loaded_peer(servers, native_run):
+    _budget_to_ourselves(servers)
+    s1, s2 = servers["s1"], servers["s2"]
+    # S1's 16 requests on one core may run few at a time and finish within what the
+    # budget has left (CI, vLLM 0.26: S1's peak exactly the 1 MiB left): then S2's
+    # give-back was not needed and nothing was tested; the load runs again (S2 refilled).
+    seen = []
+    for _ in range(3):
+        held, peak1 = _load_a_peer_of_an_idle_cache(s1, s2, native_run)
+        seen.append((held, peak1))
+        if peak1 > BUDGET - held:
+            return
+    pytest.fail(f"S1 never needed S2's memory in 3 loads (S2 held, S1 peak): {seen}: the test did not test anything")
 
 
 # Last of the load tests: run before them, it left S1 in a state from which two of them failed
