@@ -291,7 +291,7 @@ def check_blocks_outermost(kv_caches: Dict[str, Any], kv_cache_config: Any) -> N
 
 
 def keep_state_views(kv_caches: Dict[str, Any], raw: Dict[str, Any]) -> None:
-    """vLLM 0.27-0.28: a Mamba layer's value is a slice of its buffer (a ``[B, 1, 1, C]``
+    """vLLM 0.27+: a Mamba layer's value is a slice of its buffer (0.27-0.28: a ``[B, 1, 1, C]``
     page view the layer unpacks itself): nothing to move."""
 
 

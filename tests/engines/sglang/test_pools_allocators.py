@@ -372,6 +372,17 @@ def test_pages_mapped_for_live_slots_and_unmapped_after_release() -> None:
     assert int(k[slots].abs().sum()) == 0  # the zero page is back under those rows
 
 
+class _EmptyTree:  # an empty prefix cache (nothing to evict)
+    def supports_prefix_sharing(self):
+        return True
+
+    def supports_mamba(self):
+        return False
+
+    def evictable_size(self):
+        return 0
+
+
 def test_capacity_hooks_follow_the_limit_and_available_size_stays_logical() -> None:
     from kvcached.control import set_instance_memory_limit
 
@@ -387,31 +398,18 @@ def test_capacity_hooks_follow_the_limit_and_available_size_stays_logical() -> N
     assert a.available_size() == 2032 - 16 * 8  # logical: what the leak check compares
     assert a.physical_available_size() == 2 * 16 + 16  # one fresh page + block 1 of page 0
 
-    _Tree = _EmptyTree
-
     if sglang_version() >= (0, 5, 21):  # SGLang asks the allocator for a prefill budget from 0.5.21
-        budget = a.create_prefill_budget(_Tree())
+        budget = a.create_prefill_budget(_EmptyTree())
         assert budget.remaining_total == a.physical_available_size()
     assert a.withheld_tokens() == a.available_size() - a.physical_available_size() > 0
-    assert a.check_decode_capacity(num_tokens=48, tree_cache=_Tree())
-    assert not a.check_decode_capacity(num_tokens=64, tree_cache=_Tree())
+    assert a.check_decode_capacity(num_tokens=48, tree_cache=_EmptyTree())
+    assert not a.check_decode_capacity(num_tokens=64, tree_cache=_EmptyTree())
     assert a.alloc(64) is None  # refused cleanly, nothing changed
     assert a.available_size() == 2032 - 16 * 8
     assert set_instance_memory_limit(grp.limits.record().total, name=grp.record_name).status == "applied"
     time.sleep(0.05)
     assert a.physical_available_size() == a.available_size()
     a.free(held)
-
-
-class _EmptyTree:  # an empty prefix cache (nothing to evict)
-    def supports_prefix_sharing(self):
-        return True
-
-    def supports_mamba(self):
-        return False
-
-    def evictable_size(self):
-        return 0
 
 
 @pytest.mark.parametrize("ps", [1, 16])
