@@ -266,7 +266,7 @@ def test_bounded_prefix_cache_lets_memory_fall_back_after_load(servers):
 
 def _load_a_peer_of_an_idle_cache(s1, s2, native_run) -> tuple:
     """S2 fills its prefix cache and goes idle; S1 then runs a load larger than what is
-    left of the budget. Returns (S2's bytes held before, S1's peak)."""
+    left of the budget. Returns (S2's bytes held before and after, S1's peak)."""
     # S2 (unbounded prefix cache) keeps one cached block per request, each on
     # its own page: it ends up holding most of the shared budget while idle.
     _run_all(s2, h.prompts(12, seed=7), 8)
@@ -282,13 +282,12 @@ def _load_a_peer_of_an_idle_cache(s1, s2, native_run) -> tuple:
     assert got == native_run["tokensB"] * 2
     assert time.monotonic() - t0 < 120
     after = h.mapped(h.read_record(s2.name))
-    assert after < held, (held, after)
     assert all(
         h.mapped(s[s1.name]) + h.mapped(s[s2.name]) <= BUDGET
         for s in sampler.samples
         if s.get(s1.name) and s.get(s2.name)
     )
-    return held, max(h.mapped(s[s1.name]) for s in sampler.samples if s.get(s1.name))
+    return held, after, max(h.mapped(s[s1.name]) for s in sampler.samples if s.get(s1.name))
 
 
 def test_an_idle_engine_gives_its_cached_pages_to_a_loaded_peer(servers, native_run):
@@ -299,11 +298,14 @@ def test_an_idle_engine_gives_its_cached_pages_to_a_loaded_peer(servers, native_
     # give-back was not needed and nothing was tested; the load runs again (S2 refilled).
     seen = []
     for _ in range(3):
-        held, peak1 = _load_a_peer_of_an_idle_cache(s1, s2, native_run)
-        seen.append((held, peak1))
+        held, after, peak1 = _load_a_peer_of_an_idle_cache(s1, s2, native_run)
+        seen.append((held, after, peak1))
         if peak1 > BUDGET - held:
+            assert after < held, seen  # S1 needed S2's idle cache and got it
             return
-    pytest.fail(f"S1 never needed S2's memory in 3 loads (S2 held, S1 peak): {seen}: the test did not test anything")
+    pytest.fail(
+        f"S1 never needed S2's memory in 3 loads (S2 held, after, S1 peak): {seen}: the test did not test anything"
+    )
 
 
 # Last of the load tests: run before them, it left S1 in a state from which two of them failed
