@@ -11,9 +11,14 @@
 #   correctness-limit
 #                the same with batch-invariant kernels and a kvcached limit a third of the
 #                load's need: preemption and eviction all the time (the release-fence test)
-#   mla          the MLA model: native vs kvcached (and a control), then under a small limit
-#   hybrid       the same for a small Qwen3-Next (gated-delta-net state and attention KV in one
-#                elastic pool; needs mamba_state_shared_by_0_28 + mamba_state_views_as_strided_0_26)
+#   mla          the MLA model: native vs kvcached, and a second native as the control
+#   mla-limit    the MLA model with batch-invariant kernels (vLLM 0.26 has them for MLA) and a
+#                kvcached limit small enough that preemption and eviction run all the time; the
+#                control is native with a pool that small (MLA's recompute is not bit-equal)
+#   hybrid       the same as mla for a small Qwen3-Next (gated-delta-net state and attention KV in
+#                one elastic pool; needs mamba_state_shared_by_0_28 + mamba_state_views_as_strided_0_26)
+#   hybrid-limit the Qwen3-Next under a small limit; vLLM has no batch-invariant GDN kernels, so
+#                float32 (weights and state) keeps a sequence's numbers nearly batch-independent
 #   overhead     vllm bench serve native vs kvcached (and a kvcached that keeps emptied pages
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back
@@ -29,7 +34,7 @@ WORK="${KVCACHED_PROOF_WORK:-/tmp/kvcached-proof}"
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(model limits correctness correctness-limit mla hybrid overhead three router)
+[ ${#steps[@]} -eq 0 ] && steps=(model limits correctness correctness-limit mla mla-limit hybrid hybrid-limit overhead three router)
 big="$WORK/models/llama3-8b"
 small="$WORK/models/llama3-1b"
 mla="$WORK/models/deepseek-v2-mla"
@@ -56,23 +61,27 @@ for step in "${steps[@]}"; do
       [ -f "$mla/config.json" ] || python3 -m kvcached.testing.tiny_families deepseek_v2 "$mla" \
         --gpu-shapes --vocab-size 32000 || rc=1
       [ -f "$hybrid/config.json" ] || python3 -m kvcached.testing.tiny_families qwen3_next "$hybrid" \
-        --vocab-size 32000 || rc=1
+        --gpu-shapes --vocab-size 32000 || rc=1
       du -sh "$WORK/models"/* | tee -a "$OUT/steps.txt" ;;
     limits) run "$step" $proof/limits.py --model "$big" ;;
     # 200 prompts need 18.9 GiB of KV if nothing is ever evicted: 22G each.
     correctness) run "$step" $proof/correctness.py --model "$big" --prompts 200 --kv 22G \
       --only native,kvcached,native-2 --control ;;
     correctness-limit) run "$step" $proof/correctness.py --model "$big" --prompts 200 \
-      --only native-bi,kvcached-limit ;;
-    mla) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --limit 256M \
-      --only native,kvcached,native-2,kvcached-limit --control --no-batch-invariant ;;
-    hybrid) run "$step" $proof/correctness.py --model "$hybrid" --prompts 200 --kv 2G --limit 256M \
-      --only native,kvcached,native-2,kvcached-limit --control --no-batch-invariant ;;
-    overhead) run "$step" $proof/overhead.py --model "$big" --kv 24G --inf-requests 256 --rates 32,inf \
-      --rounds 3 --seconds 10 --variant keep:KVCACHED_MAX_RESERVED_PAGES=700 ;;
+      --only native-bi,kvcached-limit,native-small --control ;;
+    mla) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --only native,kvcached,native-2 --control ;;
+    mla-limit) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --limit 256M \
+      --only native-bi,kvcached-limit,native-small --control ;;
+    hybrid) run "$step" $proof/correctness.py --model "$hybrid" --prompts 200 --kv 2G \
+      --only native,kvcached,native-2 --control ;;
+    hybrid-limit) run "$step" $proof/correctness.py --model "$hybrid" --prompts 200 --kv 2G --limit 256M \
+      --only native,kvcached-limit,native-small --control --no-batch-invariant --dtype float32 \
+      --mamba-ssm-cache-dtype float32 ;;
+    overhead) run "$step" $proof/overhead.py --model "$big" --kv 24G --inf-requests 256 --rates "${KVCACHED_PROOF_RATES:-8,32,inf}" \
+      --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 --variant keep:KVCACHED_MAX_RESERVED_PAGES=700 ;;
     three) run "$step" $proof/three_models.py --model "$small" --plot "$OUT/gpu_three_models.png" ;;
     router) run "$step" $proof/router_three.py --model "$small" --plot "$OUT/gpu_router_three.png" ;;
-    *) echo "unknown step $step (model limits correctness correctness-limit mla hybrid overhead three router)" >&2
+    *) echo "unknown step $step (model limits correctness correctness-limit mla mla-limit hybrid hybrid-limit overhead three router)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

@@ -157,8 +157,10 @@ def _qwen3_next_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
         num_key_value_heads=4,
         head_dim=64,
         # vLLM's CPU gated-delta-rule kernel takes Qwen3-Next's own head size (128) only.
-        linear_num_key_heads=1,
-        linear_num_value_heads=1,
+        # GPU: vLLM 0.26's packed decode kernel needs `a`/`b` (one column per value head, cut
+        # from one projection) contiguous, which a single value head is not.
+        linear_num_key_heads=2 if sizes.get("gpu_shapes") else 1,
+        linear_num_value_heads=4 if sizes.get("gpu_shapes") else 1,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
@@ -226,7 +228,8 @@ def build_tiny_family(
     """Write a tiny random ``family`` checkpoint + tokenizer to ``path``; return ``path``.
 
     ``gpu_shapes``: the attention sizes GPU kernels require (DeepSeek-V2's MLA:
-    latent 512 + rope 64), few layers, so the family runs on a GPU engine."""
+    latent 512 + rope 64; Qwen3-Next: more than one value head), few layers, so the
+    family runs on a GPU engine."""
     import torch
     from transformers import GenerationConfig
 
@@ -261,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sliding-window", type=int, default=64)
     ap.add_argument("--vocab-size", type=int, default=512)
-    ap.add_argument("--gpu-shapes", action="store_true", help="attention sizes GPU kernels require (MLA: 512 + 64)")
+    ap.add_argument(
+        "--gpu-shapes",
+        action="store_true",
+        help="attention sizes GPU kernels require (MLA: 512 + 64; Qwen3-Next: 4 value heads)",
+    )
     a = ap.parse_args(argv)
     path = build_tiny_family(
         a.outdir,

@@ -149,8 +149,22 @@ def child(a: argparse.Namespace) -> int:
     return 0
 
 
-def compare(x: List[List[int]], y: List[List[int]]) -> Tuple[int, str]:
-    """(number of sequences that differ, where the first one differs)."""
+def prefill_chunks(path: str) -> Dict[int, List[int]]:
+    """Per request, the sizes of its multi-token chunks in the trace at ``path``: its
+    prefill, and after a preemption its recompute. Two runs that split a sequence's
+    prefill differently (another prefix hit, a recompute) computed its KV differently."""
+    chunks: Dict[int, List[int]] = {}
+    with open(path) as f:
+        for line in f:
+            for req, n in json.loads(line)[1]:
+                if n > 1:
+                    chunks.setdefault(req, []).append(n)
+    return chunks
+
+
+def compare(x: List[List[int]], y: List[List[int]], scheds: Tuple[str, str] | None = None) -> Tuple[int, str]:
+    """(number of sequences that differ, where the first one differs; with the schedule
+    traces of both runs, how many of those were prefilled in other chunks)."""
     bad = [i for i, (p, q) in enumerate(zip(x, y)) if p != q]
     if len(x) != len(y):
         return max(len(x), len(y)), f"{len(x)} vs {len(y)} sequences"
@@ -158,7 +172,15 @@ def compare(x: List[List[int]], y: List[List[int]]) -> Tuple[int, str]:
         return 0, ""
     i = bad[0]
     j = next((k for k, (p, q) in enumerate(zip(x[i], y[i])) if p != q), min(len(x[i]), len(y[i])))
-    return len(bad), f"first: sequence {i} at token {j} of {len(x[i])}"
+    where = f"first: sequence {i} at token {j} of {len(x[i])}"
+    if scheds and all(os.path.exists(s) for s in scheds):
+        cx, cy = (prefill_chunks(s) for s in scheds)
+        split = sum(cx.get(k) != cy.get(k) for k in bad)
+        every = sum(cx.get(k) != cy.get(k) for k in range(len(x)))
+        # A backend whose prefill over cached context is not bit-equal to one pass (MLA
+        # up-projects the cached latent) gives such sequences other numbers, kvcached or not.
+        where += f"; {split} of them prefilled in other chunks (recompute, prefix hit), as were {every} of all {len(x)}"
+    return len(bad), where
 
 
 def main(argv: List[str] | None = None) -> int:
@@ -178,10 +200,13 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument(
         "--no-batch-invariant",
         action="store_true",
-        help="native-bi and kvcached-limit without VLLM_BATCH_INVARIANT (a backend that lacks it, e.g. MLA)",
+        help="native-bi and kvcached-limit without VLLM_BATCH_INVARIANT (a backend that lacks it: GDN / Mamba)",
     )
     ap.add_argument(
-        "--control", action="store_true", help="also a second native engine: how far two native runs differ"
+        "--control",
+        action="store_true",
+        help="also native-2, a second native engine (how far two native runs differ), and native-small, "
+        "native with a pool of the limit's size (how far native differs from itself under that pressure)",
     )
     sub = ap.add_subparsers(dest="cmd")
     c = sub.add_parser("child")
@@ -206,21 +231,22 @@ def main(argv: List[str] | None = None) -> int:
     from kvcached.limits.units import parse_size
 
     tag = os.getpid()
-    #        label            kvcached  batch-invariant  limit
+    #        label            kvcached  batch-invariant  limit  KV capacity
     engines = [
-        ("native", False, False, None),
-        ("kvcached", True, False, None),
-        ("native-bi", False, True, None),
-        ("kvcached-limit", True, True, limit),
+        ("native", False, False, None, kv),
+        ("kvcached", True, False, None, kv),
+        ("native-bi", False, True, None, kv),
+        ("kvcached-limit", True, True, limit, kv),
     ]
     if a.control:
-        engines.append(("native-2", False, False, None))
+        # native-small: native with a pool of the limit's size, preempting and evicting too.
+        engines += [("native-2", False, False, None, kv), ("native-small", False, True, None, limit)]
     if a.only:
         keep = set(a.only.split(","))
         engines = [e for e in engines if e[0] in keep]
     procs = {}
     t0 = time.monotonic()
-    for label, kvc, bi, lim in engines:
+    for label, kvc, bi, lim, size in engines:
         name = f"proof_{label}_{tag}"
         # Batch-invariant kernels are Triton GPU kernels; float32 on the CPU is
         # batch-stable enough for the dry run.
@@ -243,7 +269,7 @@ def main(argv: List[str] | None = None) -> int:
         cmd += ["--max-model-len", str(a.max_model_len)] + (["--cpu"] if a.cpu else [])
         for flag, value in (("--dtype", a.dtype), ("--mamba-ssm-cache-dtype", a.mamba_ssm_cache_dtype)):
             cmd += [flag, value] if value else []
-        cmd += ["child", "--prompts-file", pf, "--label", label, "--name", name, "--kv-bytes", str(parse_size(kv))]
+        cmd += ["child", "--prompts-file", pf, "--label", label, "--name", name, "--kv-bytes", str(parse_size(size))]
         if lim:
             cmd += ["--child-limit", lim]
         logf = open(os.path.join(a.out, f"{label}.log"), "w")
@@ -275,14 +301,16 @@ def main(argv: List[str] | None = None) -> int:
     rc = 0
     # Without native-bi (--no-batch-invariant runs), the limited engine is held against native.
     limited = "native-bi" if "native-bi" in res else "native"
-    for x, y in (("native", "kvcached"), (limited, "kvcached-limit"), ("native", "native-2")):
+    pairs = (("native", "kvcached"), (limited, "kvcached-limit"), ("native", "native-2"), (limited, "native-small"))
+    for x, y in pairs:
         if x not in res or y not in res:
             continue
-        n, where = compare(res[x]["tokens"], res[y]["tokens"])
+        traces = (os.path.join(a.out, f"{x}.sched"), os.path.join(a.out, f"{y}.sched"))
+        n, where = compare(res[x]["tokens"], res[y]["tokens"], traces)
         cx, cy = res[x]["counters"], res[y]["counters"]
         hits = cy.get("vllm:prefix_cache_hits", 0) / max(1.0, cy.get("vllm:prefix_cache_queries", 0))
         hits_x = cx.get("vllm:prefix_cache_hits", 0) / max(1.0, cx.get("vllm:prefix_cache_queries", 0))
-        sched = first_schedule_difference(*(os.path.join(a.out, f"{e}.sched") for e in (x, y)))
+        sched = first_schedule_difference(*traces)
         print(
             f"{x + ' vs ' + y:<30} {n:>7} {cy.get('vllm:num_preemptions', 0):>8.0f} {hits:>10.1%} "
             f"{res[y]['seconds']:>7.1f}  {where or 'identical'}; {sched} ({x}: {res[x]['seconds']:.1f} s, "
