@@ -306,6 +306,15 @@ PATCHES: Dict[str, List[Item]] = {
             "PrefillAdder.token_to_kv_pool_allocator",
             sets_attrs(POLICY, "PrefillAdder", ["token_to_kv_pool_allocator"]),
         ),
+        item(
+            "PrefillAdder._update_prefill_budget(self, prefix_len, extend_input_len, ...), cur_rem_token_offset, "
+            "ceil_paged_tokens (the admitted tokens set aside)",
+            all_of(
+                signature(POLICY, "PrefillAdder._update_prefill_budget", has=("prefix_len", "extend_input_len")),
+                sets_attrs(POLICY, "PrefillAdder", ["cur_rem_token_offset"]),
+                has_methods(POLICY, "PrefillAdder", ["ceil_paged_tokens"]),
+            ),
+        ),
     ],
     "sglang-check-decode-mem": [
         item(
@@ -492,6 +501,17 @@ CLASSES: Dict[str, List[Item]] = {
                 ),
                 overrides_match(BUDGET, "PrefillBudget", OURS / "prefill_budget.py", "ElasticPrefillBudget"),
                 sets_attrs(BUDGET, "PrefillBudget", ["allocator", "tree_cache"]),
+            ),
+            FROM_0521,
+        ),
+        item(
+            "PrefillBudget.reserve(self, extend_input_len, max_new_tokens, ..., extra_tokens) takes each "
+            "admitted prefill (the budgets set its tokens aside), ceil_paged_tokens",
+            all_of(
+                signature(BUDGET, "PrefillBudget.reserve", has=("extend_input_len", "max_new_tokens", "extra_tokens")),
+                signature(BUDGET, "PrefillBudget.__init__", has=("allocator", "tree_cache", "num_mixed_decode_tokens")),
+                has_methods(BUDGET, "PrefillBudget", ["ceil_paged_tokens"]),
+                calls_in(POLICY, "PrefillAdder._update_prefill_budget", ".reserve"),
             ),
             FROM_0521,
         ),

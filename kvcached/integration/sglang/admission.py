@@ -11,7 +11,9 @@ those reads:
 
 * ``patch_prefill_adder`` (SGLang 0.5.15-0.5.20): ``PrefillAdder.rem_total_tokens``
   and ``cur_rem_tokens`` lose the tokens the allocator withholds (free in the
-  logical count, not mappable under the limit or the device budget);
+  logical count, not mappable under the limit or the device budget), and each
+  admitted prefill's tokens are set aside as the adder takes them (0.5.21+:
+  ``prefill_budget``), so a limit lowered before ``alloc_extend`` cannot fail it;
 * ``patch_check_decode_mem`` (0.5.15-0.5.18): ``ScheduleBatch.check_decode_mem``
   asks the allocator's ``check_decode_capacity``, as 0.5.19 does, so a decode
   step that does not fit retracts requests instead of crashing in ``alloc``.
@@ -54,6 +56,22 @@ def patch_prefill_adder(mod: ModuleType) -> None:
 
     for name in ("rem_total_tokens", "cur_rem_tokens"):
         _wrap_property(mod.PrefillAdder, name, make)
+
+    def make_update(orig: Callable) -> Callable:
+        def _update_prefill_budget(self: Any, prefix_len: int, extend_input_len: int, *a: Any, **k: Any) -> Any:
+            # Before the first request, the offset holds the mixed decode tokens alone.
+            admitted = getattr(self, "_kvcached_admitted", None)
+            admitted = self.cur_rem_token_offset if admitted is None else admitted
+            out = orig(self, prefix_len, extend_input_len, *a, **k)
+            self._kvcached_admitted = admitted + self.ceil_paged_tokens(extend_input_len)
+            alloc = self.token_to_kv_pool_allocator
+            if hasattr(alloc, "set_aside_admitted"):
+                alloc.set_aside_admitted(self._kvcached_admitted)
+            return out
+
+        return _update_prefill_budget
+
+    wrap_method(mod.PrefillAdder, "_update_prefill_budget", make_update)
 
 
 def patch_check_decode_mem(mod: ModuleType) -> None:

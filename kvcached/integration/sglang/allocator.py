@@ -142,6 +142,15 @@ class _ElasticAllocatorMixin:
         blocks = -(-self._tokens_beyond_local(num_tokens) // self.page_size)
         return blocks <= 0 or self._mgr.try_to_reserve(blocks)
 
+    def set_aside_admitted(self, num_tokens: int) -> bool:
+        """Prefill admission (``prefill_budget``, ``admission.patch_prefill_adder``): sets
+        aside what the prefills admitted so far this turn will allocate, as far as it is
+        free now; the rest comes from prefix-cache entries evicted at the alloc, blocks on
+        pages already mapped, which no limit takes away. Admission counts physical capacity,
+        and a limit lowered between that count and ``alloc_extend`` would otherwise fail the
+        alloc. False (nothing changed) when the limit fell before this call."""
+        return self.set_aside(min(num_tokens, self.physical_available_size()))
+
     def _tokens_beyond_local(self, num_tokens: int) -> int:
         """Tokens an allocation must take from the manager (the token allocator keeps spare slots)."""
         return num_tokens

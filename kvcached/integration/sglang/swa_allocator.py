@@ -79,6 +79,14 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
             return False
         return self._swa_req_ring or self.swa_attn_allocator.set_aside(num_tokens)
 
+    def set_aside_admitted(self, num_tokens: int, *, swa_tokens: Optional[int] = None) -> bool:
+        """Prefill admission: each side sets aside what it will allocate (``allocator.set_aside_admitted``)."""
+        full = self.full_attn_allocator.set_aside_admitted(num_tokens)
+        if self._swa_req_ring:
+            return full
+        swa = self.swa_attn_allocator.set_aside_admitted(num_tokens if swa_tokens is None else swa_tokens)
+        return full and swa
+
     def new_pages_available(self, num_full_pages: int, num_swa_pages: int) -> bool:
         ps = self.page_size
         if num_full_pages > self.full_physical_available_size() // ps:

@@ -445,6 +445,45 @@ def test_a_limit_lowered_between_the_decode_check_and_its_alloc_cannot_fail_the_
     a.free(held)
 
 
+@pytest.mark.parametrize("ps", [1, 16])
+def test_a_limit_lowered_between_prefill_admission_and_its_alloc_cannot_fail_the_alloc(ps: int) -> None:
+    """The decode check's race at prefill admission: SGLang's own PrefillAdder admits a
+    prefill by physical capacity (its budget from 0.5.21, the patched adder before), then
+    `kvctl limit` lands before the batch's alloc_extend. Admission now sets the admitted
+    tokens aside, so the alloc takes them; under the lower limit nothing more is mapped."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    from kvcached.control import set_instance_memory_limit
+
+    # The adder reads the process's server args (0.5.15: DSA context parallelism); SGLang's
+    # own test kits publish them per test as well.
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", device="cpu"))
+    _, ours = _pools(2032, ps)
+    a = _allocator(ours, 2032, ps, True)
+    grp, m = ours.kvcached_group, ours.kvcached_group.manager
+    tpp = m.page_size // m.block_mem_size * ps  # tokens per kvcached page
+    held = a.alloc(2 * tpp)
+    adder = PrefillAdder(ps, _EmptyTree(), a, SimpleNamespace(reqs=[]), 0.5, 1 << 20, None)
+    assert adder.rem_total_tokens >= 2 * tpp  # admitted by physical capacity
+    adder._update_prefill_budget(0, 2 * tpp, 16, False)
+    assert m.stats()["reserved_blocks"] == 2 * tpp // ps
+    mapped = m.stats()["mapped_pages"]
+    r = set_instance_memory_limit((mapped - 1) * m.bytes_per_page, name=grp.record_name)
+    assert r.status == "deferred", r
+    time.sleep(0.05)  # the manager re-reads its cap at most every few ms
+    prefill = a.alloc(2 * tpp)
+    assert prefill is not None and len(prefill) == 2 * tpp
+    assert m.stats()["mapped_pages"] == mapped and m.stats()["reserved_blocks"] == 0  # taken, nothing new mapped
+    assert set_instance_memory_limit(grp.limits.record().total, name=grp.record_name).status == "applied"
+    grp.drain()
+    assert m.stats()["reserved_blocks"] == 0
+    a.free(prefill)
+    a.free(held)
+
+
 def test_swa_composite_with_elastic_sub_allocators(monkeypatch) -> None:
     """The SWA composite (hybrid sliding-window models) over two elastic pools (SGLang 0.5.21+)."""
     from kvcached.integration.sglang.patches import SWA
