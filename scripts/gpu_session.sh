@@ -10,7 +10,8 @@
 #       (e.g. model mla+hybrid correctness overhead)
 #   bash scripts/gpu_session.sh wait SECONDS
 #       until the run has ended or SECONDS have passed: its progress and the tables of the
-#       steps done so far; $OUT/session.tgz holds every step's table, logs and JSON
+#       steps done so far; $OUT/session.tgz holds the tables and logs, $OUT/work.tgz the steps'
+#       work folders (JSON, schedule traces), the running ones' too
 set -uo pipefail
 RES=/tmp/gpu-session
 TREE=/tmp/gpu-session-tree
@@ -48,7 +49,7 @@ case "${1:-}" in
       [ -f "$f" ] && [ "$(basename "$f")" != steps.txt ] && { echo "--- $(basename "$f")"; tail -n 25 "$f"; }
     done
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
-    if [ -n "${OUT:-}" ]; then  # a step's own .tgz exists once it has ended: work.tgz has the running ones too
+    if [ -n "${OUT:-}" ]; then
       tar czf "$OUT/session.tgz" -C "$RES" --exclude='*.tgz' .
       tar czf "$OUT/work.tgz" -C /tmp/kvcached-proof --exclude=models --exclude=prompts.json .
     fi

@@ -57,6 +57,8 @@ def patch_prefill_adder(mod: ModuleType) -> None:
     for name in ("rem_total_tokens", "cur_rem_tokens"):
         _wrap_property(mod.PrefillAdder, name, make)
 
+    from kvcached.integration.sglang.allocator import _ElasticAllocatorMixin
+
     def make_update(orig: Callable) -> Callable:
         def _update_prefill_budget(self: Any, prefix_len: int, extend_input_len: int, *a: Any, **k: Any) -> Any:
             # Before the first request, the offset holds the mixed decode tokens alone.
@@ -65,7 +67,7 @@ def patch_prefill_adder(mod: ModuleType) -> None:
             out = orig(self, prefix_len, extend_input_len, *a, **k)
             self._kvcached_admitted = admitted + self.ceil_paged_tokens(extend_input_len)
             alloc = self.token_to_kv_pool_allocator
-            if hasattr(alloc, "set_aside_admitted"):
+            if isinstance(alloc, _ElasticAllocatorMixin):
                 alloc.set_aside_admitted(self._kvcached_admitted)
             return out
 
