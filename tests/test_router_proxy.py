@@ -136,6 +136,10 @@ def test_stream_is_passed_through_as_it_arrives(running, monkeypatch):
     first = resp.readline() + resp.readline()
     assert json.loads(first.decode()[6:])["choices"][0]["text"] == "alpha-0"
     assert engine.inflight == 1
+    # Counted with its status, before the answer ends: a client that has read all of it and
+    # then reads /metrics finds it counted (CI: the router engine test read it first).
+    counted = 'kvcached_router_requests_total{model="alpha",code="200"} 1'
+    assert counted in request(r.port, "GET", "/metrics")[2].decode()
     request(engine.port, "POST", "/open_gate", {})
     rest = resp.read().decode()
     events = [e for e in rest.split("\n\n") if e]
@@ -143,6 +147,7 @@ def test_stream_is_passed_through_as_it_arrives(running, monkeypatch):
     assert events[-1] == "data: [DONE]"
     conn.close()
     wait_for(lambda: engine.inflight == 0, "request released")
+    assert counted in request(r.port, "GET", "/metrics")[2].decode()  # once
 
 
 def test_idle_model_sleeps_and_a_request_wakes_it(running):

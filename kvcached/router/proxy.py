@@ -142,20 +142,19 @@ class RouterHandler(BaseHTTPRequestHandler):
                 )
                 return
             try:
-                status = self._forward(engine.host, engine.port, body)
+                status = self._forward(model, engine.host, engine.port, body)
             finally:
                 router.release(model)
             # The engine died under us before answering: wait for its restart once.
             if status != 0 or attempt == 1 or not engine.check_exited():
                 break
         if status == 0:
-            status = 502
-            self._error(status, f"the engine of model {model!r} did not answer", "bad_gateway")
-        router.metrics.request(model, status)
+            router.metrics.request(model, 502)
+            self._error(502, f"the engine of model {model!r} did not answer", "bad_gateway")
 
-    def _forward(self, host: str, port: int, body: bytes) -> int:
+    def _forward(self, model: str, host: str, port: int, body: bytes) -> int:
         """Sends the request on and streams the answer back; its status, 0 when the
-        engine gave none (nothing was sent to the client then)."""
+        engine gave none (nothing was sent to the client then, nor counted)."""
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
         headers["Content-Length"] = str(len(body))
         conn = http.client.HTTPConnection(host, port, timeout=self.server.router.config.request_timeout_s)
@@ -165,6 +164,9 @@ class RouterHandler(BaseHTTPRequestHandler):
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException):
                 return 0
+            # Counted before the answer goes out: a client that has read all of it (and
+            # then reads /metrics) finds it counted.
+            self.server.router.metrics.request(model, resp.status)
             self.send_response(resp.status)
             for k, v in resp.getheaders():
                 if k.lower() not in HOP_BY_HOP:
