@@ -202,12 +202,11 @@ def _lower_the_limit_while_decoding(s1: h.Server, s2: h.Server, n: int) -> dict:
         got = load.result()
         t_done = time.monotonic()
     s1_pages = sorted({h.mapped(s[s1.name]) // h.BPP for s in sampler.samples if s.get(s1.name)})
-    assert load.most_running >= n, (
-        f"vLLM never ran {n} requests at once (at most {load.most_running}); at the end: {at_drop}; "
-        f"pages S1 mapped meanwhile: {s1_pages}"
-    )
     during = [h.mapped(s[s2.name]) for s in sampler.samples if t_drop < s["t"] < t_done and s.get(s2.name)]
     return dict(
+        ran_all=load.most_running >= n,
+        never_ran=f"vLLM never ran {n} requests at once (at most {load.most_running}); at the end: {at_drop}; "
+        f"pages S1 mapped meanwhile: {s1_pages}",
         got=got,
         during=during,
         decoded_after_drop_s=t_done - t_drop,
@@ -223,10 +222,12 @@ def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_requ
     for _ in range(3):
         run = _lower_the_limit_while_decoding(s1, s2, n)
         assert run["got"] == native_run["tokensD"] * 2  # no request failed; preempted ones recomputed the same
-        if run["preemptions"] > 0 or run["decoded_after_drop_s"] > 1.0:
+        if run["ran_all"] and (run["preemptions"] > 0 or run["decoded_after_drop_s"] > 1.0):
             break
-        # The client saw 8 running only as the load was ending (a finished stream not yet
-        # counted): its requests finished instead of shrinking. Not the case under test; again.
+        # Not the case under test; again: the client saw 8 running only as the load was
+        # ending (a finished stream not yet counted), so its requests finished instead of
+        # shrinking; or staggered streams never had 8 at once (CI, 0.26 under load: 6).
+    assert run["ran_all"], run["never_ran"]
     seen = run["seen"]
     during = run["during"]
     assert run["preemptions"] > 0, seen
