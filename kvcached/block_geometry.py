@@ -11,7 +11,9 @@ When ``block_mem_size`` divides ``page_size`` every block fits. Otherwise
 holes that are never handed out, and each page holds a slightly different
 number of blocks. A geometry where a block is larger than a page, or where
 some page would hold no whole block, is refused with a message that names
-a block size and a page size that work.
+a block size and a page size that work. A geometry that works but leaves
+more than a tenth of every page to skipped blocks (``page_utilization``) is
+served; the manager warns once, naming a page size that fills 90%.
 """
 
 from __future__ import annotations
@@ -44,6 +46,37 @@ def _every_page_holds_a_block(page_size: int, block_mem_size: int) -> bool:
     return page_size >= 2 * block_mem_size - math.gcd(page_size, block_mem_size)
 
 
+def page_utilization(page_size: int, block_mem_size: int) -> float:
+    """The share of a long buffer's page bytes that usable blocks fill.
+
+    The block/page pattern repeats every ``n = block / gcd(page, block)`` pages;
+    each page boundary in it but the first falls inside a block, which is
+    never handed out: ``n - 1`` blocks lost per ``n`` pages."""
+    n = block_mem_size // math.gcd(page_size, block_mem_size)
+    return 1.0 - (block_mem_size / page_size) * (1.0 - 1.0 / n)
+
+
+# A page size whose straddling blocks waste more than this is worth changing.
+GOOD_UTILIZATION = 0.9
+
+
+def better_page_size(block_mem_size: int, page_size: int) -> Tuple[int, float]:
+    """The smallest multiple of ``page_size`` that holds this block on every page and
+    fills at least ``GOOD_UTILIZATION`` of it (else the best one up to 64x), with its
+    utilization."""
+    k = 1
+    while not (_every_page_holds_a_block(k * page_size, block_mem_size) and k * page_size >= block_mem_size):
+        k += 1
+    best = (k * page_size, page_utilization(k * page_size, block_mem_size))
+    for m in range(k, max(64, 4 * k) + 1):
+        u = page_utilization(m * page_size, block_mem_size)
+        if u >= GOOD_UTILIZATION:
+            return m * page_size, u
+        if u > best[1]:
+            best = (m * page_size, u)
+    return best
+
+
 def suggest_geometry(block_size: int, cell_size: int, page_size: int) -> str:
     """A sentence naming a block size and a page size that work with these cells."""
     block = block_size * cell_size
@@ -57,13 +90,8 @@ def suggest_geometry(block_size: int, cell_size: int, page_size: int) -> str:
             best = (t, "blocks straddling a page boundary are skipped")
     if best is not None:
         tips.append(f"block_size={best[0]} tokens ({best[0] * cell_size} bytes; {best[1]})")
-    k = 1
-    while not (_every_page_holds_a_block(k * page_size, block) and k * page_size >= block):
-        k += 1
-    exact = next((m for m in range(k, 4 * k + 64) if (m * page_size) % block == 0), None)
-    if exact is not None and exact <= 2 * k:
-        k = exact
-    tips.append(f"KVCACHED_PAGE_SIZE={k * page_size} ({k} x {page_size})")
+    size, used = better_page_size(block, page_size)
+    tips.append(f"KVCACHED_PAGE_SIZE={size} ({size // page_size} x {page_size}; blocks fill {used:.0%} of a page)")
     return "use " + " or ".join(tips)
 
 
@@ -80,6 +108,8 @@ class BlockGeometry:
         max_blocks_per_page: ``max(caps)``.
         num_usable_blocks: ``sum(caps)`` (< num_blocks when there are holes).
         exact: True when every block id below num_blocks is usable.
+        utilization: the share of page bytes usable blocks fill (1.0 when the
+            block divides the page; see ``page_utilization``).
     """
 
     __slots__ = (
@@ -93,6 +123,7 @@ class BlockGeometry:
         "max_blocks_per_page",
         "num_usable_blocks",
         "exact",
+        "utilization",
     )
 
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, page_size: int) -> None:
@@ -129,6 +160,7 @@ class BlockGeometry:
         self.max_blocks_per_page = max(self.caps)
         self.num_usable_blocks = sum(self.caps)
         self.exact = self.num_usable_blocks == self.num_blocks
+        self.utilization = page_utilization(self.page_size, block)
 
     def _straddles(self, block_id: int) -> bool:
         start = block_id * self.block_mem_size

@@ -70,7 +70,7 @@ import weakref
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 from kvcached import _C, config, naming, pool_registry
-from kvcached.block_geometry import BlockGeometry
+from kvcached.block_geometry import GOOD_UTILIZATION, BlockGeometry, better_page_size
 from kvcached.block_index import BlockIndex
 from kvcached.block_ledger import FREE, NULL, OUT, RESERVED, BlockLedger
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError, ShutdownError, StateConsistencyError
@@ -243,6 +243,17 @@ class KVCacheManager:
             self.geometry = geo = BlockGeometry(num_blocks, block_size, cell_size, page_size)
         except InvalidArgumentError as e:
             raise KVCachedConfigError(str(e)) from None  # upstream's type for a block that cannot sit on pages
+        if geo.utilization < GOOD_UTILIZATION:
+            size, used = better_page_size(geo.block_mem_size, page_size)
+            logger.warning(
+                "kvcached: blocks of %d B fill %.0f%% of each %d KiB page (a block straddling a page boundary is "
+                "never used); KVCACHED_PAGE_SIZE=%d would fill %.0f%%",
+                geo.block_mem_size,
+                100 * geo.utilization,
+                page_size >> 10,
+                size,
+                100 * used,
+            )
         self.num_blocks = geo.num_blocks
         self.block_size = geo.block_size
         self.cell_size = geo.cell_size

@@ -3,6 +3,7 @@ placement, page policy, reserve, deferred release, resize, rollback, bad input."
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from kvcached import _C
-from kvcached.block_geometry import BlockGeometry
+from kvcached.block_geometry import GOOD_UTILIZATION, BlockGeometry, better_page_size
 from kvcached.errors import BackendError, InvalidArgumentError, ShutdownError
 from kvcached.kv_cache_manager import KVCacheManager
 from manager_helpers import check_invariants, out_ids, snapshot
@@ -85,6 +86,45 @@ def test_unusable_geometry_is_refused_with_a_working_one(block_size, cell_size, 
     suggested_page = int(msg.split("KVCACHED_PAGE_SIZE=")[1].split()[0])
     BlockGeometry(100, suggested_bs, cell_size, page)
     BlockGeometry(100, block_size, cell_size, suggested_page)
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        pytest.param(1114112, id="qwen3-next-bf16-state"),
+        pytest.param(2162688, id="qwen3-next-fp32-state"),
+        pytest.param(18432, id="mla-latent"),
+        pytest.param(96 * 1024, id="96KiB"),
+    ],
+)
+def test_page_utilization_is_what_the_geometry_uses_and_the_suggested_page_fills_nine_tenths(block):
+    page = 2 << 20
+    size, used = better_page_size(block, page)
+    assert size % page == 0 and used >= GOOD_UTILIZATION
+    for p in {size, 4 * page}:
+        if p < block:
+            continue
+        periods = 3 * math.lcm(p, block) // block  # whole periods of the block/page pattern
+        geo = BlockGeometry(periods, 1, block, p)
+        assert geo.num_usable_blocks * block / (geo.num_pages * p) == pytest.approx(geo.utilization)
+    assert BlockGeometry(64, 1, block, size).utilization == pytest.approx(used)
+
+
+def test_a_page_that_wastes_a_tenth_warns_once_naming_a_better_one(vmm, device, page_size, caplog):
+    # Blocks of 17/64 of a page (a real Qwen3-Next's 1,114,112 B blocks on 4 MiB pages):
+    # 3 per page, 75% of it used.
+    block = page_size * 17 // 64
+    vmm.create_kv_tensors(8 * page_size, 1, device, 1, 1)
+    with caplog.at_level("WARNING"):
+        m = KVCacheManager(24, 1, block, 1, num_kv_buffers=1)
+    try:
+        lines = [r.getMessage() for r in caplog.records if "straddling" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert f"fill 75% of each {page_size >> 10} KiB page" in lines[0]
+        size, used = better_page_size(block, page_size)
+        assert used >= GOOD_UTILIZATION and f"KVCACHED_PAGE_SIZE={size} would fill {used:.0%}" in lines[0]
+    finally:
+        m.shutdown()
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, None, True])
