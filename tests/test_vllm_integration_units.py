@@ -23,7 +23,7 @@ from kvcached.integration.patch_base import (
     VersionRange,
     parse_version,
 )
-from kvcached.integration.vllm.kv_layout import KVLayoutPlan, Placement
+from kvcached.integration.vllm.kv_layout import KVLayoutPlan, Placement, align_layer_regions, read_layer_tensors
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -432,6 +432,94 @@ def test_plan_unaligned_layer_regions_share_pages():
     assert shared == {3}  # layer 0's tail and layer 1's head
 
 
+def _layer_outer_config(num_blocks: int, block: int, groups: int, layers: int) -> SimpleNamespace:
+    """What vLLM 0.29+ gives a hybrid model in a layer-outermost layout (Qwen3-Next:
+    attention and state groups of evened-out blocks): per group one tensor of
+    ``layers`` layers, layer l at l * num_blocks * block, the groups aliased from byte 0."""
+    spec = SimpleNamespace(page_size_bytes=block, block_size=16, num_kv_heads=2)
+    gs = [SimpleNamespace(layer_names=[f"g{g}.l{i}" for i in range(layers)], kv_cache_spec=spec) for g in range(groups)]
+    size = layers * num_blocks * block
+    tensors = [
+        SimpleNamespace(size=size, layers=g.layer_names, layer_stride=num_blocks * block, block_stride=block, offset=0)
+        for g in gs
+    ]
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=gs)
+
+
+def _plan(cfg: SimpleNamespace, page: int) -> KVLayoutPlan:
+    size, placements, tokens = read_layer_tensors(cfg.kv_cache_tensors, cfg.kv_cache_groups, cfg.num_blocks, page)
+    return KVLayoutPlan(size, cfg.num_blocks, max(p.block_bytes for p in placements), tokens, page, placements)
+
+
+def test_aligned_layer_regions_make_every_logical_page_one_physical_page_per_layer():
+    # A real Qwen3-Next-80B's block at TP 1 (bf16 state: 1,114,112 B), 4 MiB pages:
+    # 3 layers per group, 4 groups aliased. Unaligned, most layers' blocks of a logical
+    # page straddle two physical pages and the ledger charges that worst case.
+    page, block, n = 4 * MiB, 1114112, 40
+    cfg = _layer_outer_config(n, block, groups=4, layers=3)
+    before = _plan(cfg, page)
+    assert before.physical_pages_per_logical_page() > 3
+    usable = before.geometry.block_range(before.num_logical_pages - 1)[1]
+
+    assert align_layer_regions(cfg, page) is True
+    after = _plan(cfg, page)
+    for t in cfg.kv_cache_tensors:
+        assert t.offset == 0 and t.layer_stride % page == 0 and t.layer_stride >= n * block
+        assert t.size == 3 * t.layer_stride  # one size for all (one buffer), the groups still aliased
+    assert after.physical_pages_per_logical_page() == 3
+    assert all(len(after.physical_pages(p)) == 3 for p in range(after.num_logical_pages))
+    # The same blocks are usable: the page geometry is the block's, not the layout's.
+    assert after.geometry.block_range(after.num_logical_pages - 1)[1] == usable
+    # The ledger's capacity is now what the buffer holds, never more.
+    assert after.num_logical_pages * 3 * page <= after.mapped_size
+    assert align_layer_regions(cfg, page) is False  # aligned already: nothing moves
+
+
+def test_aligned_layer_regions_keep_tensors_of_one_group_one_after_another():
+    # One group over two geometries (Gemma 4: global layers of twice the local block).
+    page, n = 128 * KiB, 10
+    spec = SimpleNamespace(page_size_bytes=48 * KiB, block_size=16, num_kv_heads=2)
+    g = SimpleNamespace(layer_names=["a0", "a1", "b0"], kv_cache_spec=spec)
+    a = SimpleNamespace(size=0, layers=["a0", "a1"], layer_stride=n * 48 * KiB, block_stride=48 * KiB, offset=0)
+    b = SimpleNamespace(
+        size=0, layers=["b0"], layer_stride=n * 24 * KiB, block_stride=24 * KiB, offset=2 * n * 48 * KiB
+    )
+    a.size = b.size = b.offset + n * 24 * KiB
+    cfg = SimpleNamespace(num_blocks=n, kv_cache_tensors=[a, b], kv_cache_groups=[g])
+    assert align_layer_regions(cfg, page) is True
+    assert (a.layer_stride, b.offset, b.layer_stride) == (4 * page, 8 * page, 2 * page)
+    assert a.size == b.size == 10 * page
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param({"layer_stride": 1114112, "block_stride": 3 * 1114112}, id="block-outermost"),
+        pytest.param({"offset": 4096}, id="offsets-not-vllm-s"),
+        pytest.param({"host_resident": True}, id="host-resident"),
+    ],
+)
+def test_layouts_that_are_not_vllm_s_layer_outermost_one_are_left_as_they_are(change):
+    cfg = _layer_outer_config(40, 1114112, groups=1, layers=3)
+    t = cfg.kv_cache_tensors[0]
+    for k, v in change.items():
+        setattr(t, k, v)
+    before = dict(vars(t))
+    assert align_layer_regions(cfg, 4 * MiB) is False
+    assert vars(t) == before
+
+
+def test_the_engine_core_hands_out_aligned_configs(monkeypatch):
+    from kvcached.integration.vllm.kv_layout import patch_kv_cache_configs
+
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(4 * MiB))
+    cfgs = [_layer_outer_config(40, 1114112, groups=2, layers=3)]
+    core = types.SimpleNamespace(get_kv_cache_configs=lambda vllm_config, specs, memory: cfgs)
+    patch_kv_cache_configs(core)
+    assert core.get_kv_cache_configs(None, [], [0]) is cfgs
+    assert all(t.layer_stride % (4 * MiB) == 0 for t in cfgs[0].kv_cache_tensors)
+
+
 def test_plan_refuses_what_it_cannot_back():
     with pytest.raises(InvalidArgumentError, match="reaches byte"):
         KVLayoutPlan(1 * MiB, 512, 64 * KiB, 128, 2 * MiB, [Placement(0, 2, 32 * MiB, 64 * KiB, 64 * KiB)])
@@ -457,6 +545,29 @@ def test_plan_refuses_what_it_cannot_back():
     cfg.kv_cache_tensors[0].host_resident = False
     plan = KVLayoutPlan.from_kv_cache_config(cfg, 2 * MiB)
     assert plan.physical_pages(1) == (1, 17)
+
+
+@pytest.mark.parametrize(
+    "layer_stride, block_stride",
+    [
+        pytest.param(32 * MiB, 4 * KiB, id="LHBNC"),  # vLLM 0.32's strides: 4 heads, 2,048 blocks of 16 KiB
+        pytest.param(4 * KiB, 32 * KiB, id="BHLNC"),
+    ],
+)
+def test_plan_refuses_layouts_with_heads_outside_the_blocks_in_one_line(layer_stride, block_stride):
+    # A layer's block is then one run per KV head: mapping the pages of its first run
+    # would leave the other heads' bytes unmapped.
+    spec = FullAttentionSpec(page_size_bytes=16 * KiB, block_size=16, has_layer_views=True)
+    t = SimpleNamespace(
+        size=64 * MiB, layers=["l0", "l1"], layer_stride=layer_stride, block_stride=block_stride, offset=0
+    )
+    cfg = SimpleNamespace(
+        num_blocks=2048,
+        kv_cache_tensors=[t],
+        kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=spec)],
+    )
+    with pytest.raises(InvalidArgumentError, match="heads outside the blocks.*VLLM_KV_CACHE_LAYOUT=LBHNC"):
+        KVLayoutPlan.from_kv_cache_config(cfg, 2 * MiB)
 
 
 def _shared_by_config(num_blocks: int, block_bytes: int, **tensor) -> SimpleNamespace:

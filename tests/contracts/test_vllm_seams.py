@@ -404,6 +404,35 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
             sets_attrs(KVI, "KVCacheTensor", ["size", "layers", "layer_stride", "block_stride", "offset"]),
         ),
     ],
+    "kv_regions_page_aligned": [
+        (
+            "the engine core binds get_kv_cache_configs by name (the patch rebinds it there)",
+            any_of(
+                module_binds(CORE, "get_kv_cache_configs", KVU),
+                module_binds(CORE, "get_kv_cache_configs", "vllm.v1.core.kv_cache_planning"),
+            ),
+        ),
+        (
+            "EngineCore._initialize_kv_caches calls it (and hands its configs to the workers)",
+            all_of(
+                calls_in(CORE, "EngineCore._initialize_kv_caches", "get_kv_cache_configs"),
+                calls_in(CORE, "EngineCore._initialize_kv_caches", ".initialize_from_config"),
+            ),
+        ),
+        (
+            "KVCacheTensor(size, layers, layer_stride, block_stride, offset) and KVCacheConfig.num_blocks",
+            all_of(
+                sets_attrs(KVI, "KVCacheTensor", ["size", "layers", "layer_stride", "block_stride", "offset"]),
+                sets_attrs(KVI, "KVCacheConfig", ["num_blocks", "kv_cache_tensors", "kv_cache_groups"]),
+            ),
+        ),
+        (
+            "create_kv_cache_views cuts layer views from the tensor's own layer_stride and offset",
+            all_of(
+                mentions(KVI, "create_kv_cache_views", "layer_stride"), mentions(KVI, "create_kv_cache_views", "offset")
+            ),
+        ),
+    ],
     "mamba_state_0_29": [
         (
             "KVCacheTensor(size, layers, layer_stride, block_stride, offset): state blocks at their block address",

@@ -82,6 +82,12 @@ def _engine_core(module: ModuleType) -> None:
     scheduler_patches.patch_engine_core_module(module)
 
 
+def _kv_regions_page_aligned(module: ModuleType) -> None:
+    from kvcached.integration.vllm import kv_layout
+
+    kv_layout.patch_kv_cache_configs(module)
+
+
 def _allocate_slots(module: ModuleType) -> None:
     from kvcached.integration.vllm import scheduler_patches
 
@@ -265,6 +271,13 @@ def all_patches() -> List[BasePatch]:
             "KVCacheTensor(size, layers, layer_stride, block_stride, offset): placements in one buffer",
         ),
         BasePatch(
+            "kv_regions_page_aligned",
+            "vllm.v1.engine.core",
+            V029_034,
+            _kv_regions_page_aligned,
+            "the engine core's KV cache configs get page-aligned layer regions before workers and scheduler see them",
+        ),
+        BasePatch(
             "mamba_state_shared_by_0_28",
             "vllm.v1.kv_cache_interface",
             V026_028,
@@ -443,6 +456,7 @@ KNOWN_BREAKS: Dict[Tuple[str, str], str] = {
     ),
     **_outside("kv_tensors_shared_by_0_28", _M029_034, _LAYERS),
     **_outside("kv_tensors_by_layers", _M026_028, _SHARED_BY),
+    **_outside("kv_regions_page_aligned", _M026_028, _SHARED_BY),
     **_outside("mamba_state_shared_by_0_28", _M029_034, _LAYERS),
     **_outside("mamba_state_0_29", _M026_028, _SHARED_BY),
     **_outside(

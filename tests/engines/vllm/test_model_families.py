@@ -25,6 +25,7 @@ on and a pool small enough that vLLM must preempt (``vllm_family_driver.py``).
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import vllm_engine_helpers as h
@@ -45,6 +46,10 @@ CASES = {
 # process (out of process, when requests reach the scheduler is timing, CI saw 14 vs 15
 # preemptions). kvcached must equal native pass for pass.
 PASS_2_MAY_DIFFER = {"qwen3-next"}
+
+# One group over tensors of two block sizes (64 and 128 KiB): pages are cut by the
+# larger block, so two logical pages share each physical page of the smaller tensor.
+SMALLER_BLOCKS_SHARE_PAGES = {"gemma4-one-group"}
 
 # A hit needs a full block of every group: hybrid Gemma 4's local group has 256-token
 # blocks (pages evened out with the global group), longer than workload A's 131-token
@@ -116,6 +121,60 @@ def test_the_kv_pages_follow_the_load_within_the_limit(runs):
     peak = max(h.mapped(r) for r in samples)
     assert peak > samples[0]["used"], f"{family}: mapped KV never rose"
     assert all(h.mapped(r) <= r["limit"] for r in samples), family
+
+
+def test_the_record_charges_what_the_worker_maps(runs):
+    """At rest before and after the load, the instance's record (what the device budget
+    is charged) equals the memfd bytes its worker holds, less the shared zero page."""
+    family, _, kv = runs
+    before, after = kv["idle_before"], kv["idle_after"]
+    zero = before["physical"] - before["mapped"]
+    assert 0 <= zero <= h.PAGE, (family, before)
+    assert after["mapped"] > before["mapped"], (family, after)  # cached blocks keep pages mapped
+    if family in SMALLER_BLOCKS_SHARE_PAGES:
+        # Blocks of the smaller tensor of neighbouring logical pages share a physical
+        # page (mapped once, reference counted) that each logical page is charged for:
+        # conservative, never less than what is mapped.
+        assert after["physical"] - zero <= after["mapped"], (family, before, after)
+    else:
+        assert after["physical"] - zero == after["mapped"], (family, before, after)
+
+
+def test_blocks_that_do_not_divide_the_page_are_charged_what_the_worker_maps(workdir):
+    """The GPU-shaped tiny Qwen3-Next has 384 KiB blocks: on 2 MiB pages vLLM 0.29+
+    starts the second layer region mid-page (40 blocks = 7.5 pages), so a logical page
+    would touch 3 physical pages where 2 is the average and be charged 3 (a 48 MiB
+    limit for a 30 MiB buffer, 18 MiB charged for 14 mapped). The engine core's configs
+    get page-aligned regions instead: 2 pages a logical page, charged what is mapped."""
+    import vllm
+
+    from kvcached.integration.patch_base import parse_version
+    from kvcached.integration.vllm.versions import V029_034
+
+    if parse_version(vllm.__version__) not in V029_034:
+        pytest.skip("0.26-0.28 lay each KV buffer on a page boundary already (kv_tensors_shared_by_0_28)")
+    from kvcached.testing.tiny_families import build_tiny_family
+
+    model = os.path.join(workdir, "tiny_qwen3_next_gpu_shapes")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        build_tiny_family(model, "qwen3_next", gpu_shapes=True)
+    name = f"kvt_family_unaligned_{os.getpid()}"
+    page = 2 << 20
+    env = h.engine_env(
+        True, name, KVCACHED_HOST_MEMORY_BUDGET="256M", KVCACHED_PAGE_SIZE=str(page), VLLM_ENABLE_V1_MULTIPROCESSING="0"
+    )
+    out = os.path.join(workdir, "qwen3_next_gpu_shapes.json")
+    kv = h.run_driver(model, out, env, *CASES["qwen3-next"][1][2:], "--blocks", "40", "--name", name,
+                      script="vllm_family_driver.py")  # fmt: skip
+    with open(out + ".log", errors="replace") as f:
+        log = f.read()
+    assert "KV layer regions moved to 2048 KiB page boundaries (40 blocks of 393216 B" in log, log[-3000:]
+    m = re.search(r"over \d+ pages of 2048 KiB x (\d+); limit ([\d.]+) MiB", log)
+    assert m and m.groups() == ("2", "32.0"), m and m.group(0)  # the 32 MiB buffer, not 48
+    before, after = kv["idle_before"], kv["idle_after"]
+    zero = before["physical"] - before["mapped"]
+    assert 0 <= zero <= page, before
+    assert after["mapped"] > before["mapped"] and after["physical"] - zero == after["mapped"], (before, after)
 
 
 def test_long_decodes_cross_many_blocks_with_sliding_window_blocks_returned(runs):

@@ -168,7 +168,8 @@ def kvcached_physical_bytes(pid: int) -> int:
 
 @dataclass
 class Sampler:
-    """Samples the records of ``names`` (and the workers' memfds) every ``period`` s."""
+    """Samples the records of ``names`` (and the memfds of each owner and its workers)
+    every ``period`` s."""
 
     names: List[str]
     period: float = 0.01
@@ -186,7 +187,8 @@ class Sampler:
             if self.workers and r is not None and r["alive"]:
                 pid = r["owner_pid"]
                 if pid not in self._children:  # the EngineCore's workers: scanning /proc is slow
-                    self._children[pid] = children(pid)
+                    # The owner too: with the engine core in process, the worker is the owner.
+                    self._children[pid] = [pid] + children(pid)
                 s[n + ":worker"] = sum(kvcached_physical_bytes(c) for c in self._children[pid])
         return s
 

@@ -71,6 +71,8 @@ def main() -> int:
         **({"disable_hybrid_kv_cache_manager": True} if a.no_hybrid else {}),
     )
     res: dict = {"engine_start_s": time.monotonic() - t0}
+    if a.name:
+        res["idle_before"] = _settled(a.name)
     sampler = h.Sampler([a.name], workers=False) if a.name else None
     if sampler:
         sampler.__enter__()
@@ -97,9 +99,25 @@ def main() -> int:
     if sampler:
         sampler.__exit__()
         res["samples"] = [s[a.name] for s in sampler.samples if s.get(a.name)]
+        res["idle_after"] = _settled(a.name)
     with open(a.out, "w") as f:
         json.dump(res, f)
     return 0
+
+
+def _settled(name: str) -> dict:
+    """The record's mapped bytes and the memfd bytes this engine's processes hold,
+    once two looks 0.1 s apart agree (no map or unmap in between)."""
+    probe = h.Sampler([name])
+    last = None
+    for _ in range(50):
+        s = probe.sample()
+        now = {"mapped": h.mapped(s[name]), "physical": s.get(name + ":worker", 0)}
+        if now == last:
+            break
+        last = now
+        time.sleep(0.1)
+    return now
 
 
 if __name__ == "__main__":
