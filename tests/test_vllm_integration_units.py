@@ -520,6 +520,17 @@ def test_the_engine_core_hands_out_aligned_configs(monkeypatch):
     assert all(t.layer_stride % (4 * MiB) == 0 for t in cfgs[0].kv_cache_tensors)
 
 
+def test_every_logical_page_is_charged_the_most_any_of_them_maps():
+    # 43 blocks of 24 KiB per layer, 128 KiB pages: layer 1 starts 8 KiB into a page, so
+    # whether a logical page's run crosses a boundary changes from page to page; the
+    # three logical pages once sampled (0, n/2, n-2) all need 2 pages, others 3.
+    plan = KVLayoutPlan(
+        2 * 43 * 24 * KiB, 43, 24 * KiB, 16, 128 * KiB, [Placement(0, 2, 43 * 24 * KiB, 24 * KiB, 24 * KiB)]
+    )
+    most = max(len(plan.physical_pages(p)) for p in range(plan.num_logical_pages))
+    assert most == 3 and plan.physical_pages_per_logical_page() == most
+
+
 def test_plan_refuses_what_it_cannot_back():
     with pytest.raises(InvalidArgumentError, match="reaches byte"):
         KVLayoutPlan(1 * MiB, 512, 64 * KiB, 128, 2 * MiB, [Placement(0, 2, 32 * MiB, 64 * KiB, 64 * KiB)])

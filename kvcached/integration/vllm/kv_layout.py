@@ -49,7 +49,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kvcached import config
 from kvcached.block_geometry import BlockGeometry
@@ -119,6 +119,7 @@ class KVLayoutPlan:
         self.num_logical_pages = self.geometry.num_pages
         self.mapped_size = -(-self.buffer_size // self.page_size) * self.page_size
         self._memo: Dict[int, Tuple[int, ...]] = {}
+        self._per_page: Optional[int] = None
         self.num_layers = sum(p.num_layers for p in self.placements)
 
     @classmethod
@@ -144,33 +145,42 @@ class KVLayoutPlan:
             return got
         if not 0 <= logical_page < self.num_logical_pages:
             raise InvalidArgumentError(f"logical page {logical_page} is out of range [0, {self.num_logical_pages})")
-        first, end = self.geometry.block_range(logical_page)
-        P = self.page_size
-        pages = set()
-        if end > first:
-            for pl in self.placements:
-                bb = pl.block_bytes
-                for layer in range(pl.num_layers):
-                    base = pl.offset + layer * pl.layer_stride
-                    if pl.block_stride <= bb:  # blocks of a layer are contiguous
-                        runs: Iterable[Tuple[int, int]] = (
-                            (base + first * pl.block_stride, base + (end - 1) * pl.block_stride + bb),
-                        )
-                    else:
-                        runs = (
-                            (base + b * pl.block_stride, base + b * pl.block_stride + bb) for b in range(first, end)
-                        )
-                    for start, stop in runs:
-                        pages.update(range(start // P, (stop - 1) // P + 1))
-        out = tuple(sorted(pages))
+        out = tuple(sorted(self._pages_of(logical_page)))
         self._memo[logical_page] = out
         return out
 
+    def _pages_of(self, logical_page: int) -> set:
+        first, end = self.geometry.block_range(logical_page)
+        P = self.page_size
+        pages: set = set()
+        if end <= first:
+            return pages
+        for pl in self.placements:
+            bb, bs, ls, L = pl.block_bytes, pl.block_stride, pl.layer_stride, pl.num_layers
+            if bs > bb and ls <= bb and (L - 1) * ls + bb >= bs:
+                # Block-outermost, each block one run of all its layers: the blocks are one run.
+                runs: Iterable[Tuple[int, int]] = (
+                    (pl.offset + first * bs, pl.offset + (end - 1) * bs + (L - 1) * ls + bb),
+                )
+            elif bs <= bb:  # blocks of a layer are contiguous: one run per layer
+                runs = ((pl.offset + i * ls + first * bs, pl.offset + i * ls + (end - 1) * bs + bb) for i in range(L))
+            else:
+                runs = (
+                    (pl.offset + i * ls + b * bs, pl.offset + i * ls + b * bs + bb)
+                    for i in range(L)
+                    for b in range(first, end)
+                )
+            for start, stop in runs:
+                pages.update(range(start // P, (stop - 1) // P + 1))
+        return pages
+
     def physical_pages_per_logical_page(self) -> int:
-        """Physical pages a full logical page needs (for accounting: the manager's layer count)."""
-        n = self.num_logical_pages
-        sample = {0, n // 2, max(0, n - 2)}
-        return max(1, max(len(self.physical_pages(p)) for p in sample))
+        """Physical pages a full logical page needs, the most over all of them (the
+        manager charges every logical page this: its layer count). Where regions are not
+        page aligned, logical pages differ; a sample could miss the largest and under-charge."""
+        if self._per_page is None:
+            self._per_page = max(1, max(len(self._pages_of(p)) for p in range(self.num_logical_pages)))
+        return self._per_page
 
     def __repr__(self) -> str:
         return (

@@ -9,6 +9,8 @@ called with a config namespace, as the engine core calls it.
   page touches about 21 physical pages for 12 layer regions, and the ledger had
   to charge that. Through the engine core's patched ``get_kv_cache_configs``
   (``kv_regions_page_aligned``) it is exactly 12, with the same usable blocks.
+* A dense Llama-3-8B shape whose block count is not a multiple of the blocks a page
+  holds (almost any KV size): 62 pages charged per logical page for 32 layers, now 32.
 * The six layouts: the four that keep a layer's block one run are planned;
   LHBNC and BHLNC (heads outside the blocks) are refused in one line.
 
@@ -28,22 +30,29 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def vllm_planner():
+    """vLLM's planner module; the plan reads 0.29+ tensors and serves Mamba state, as
+    the installed version's patches make it (undone after, leaving no patch marks)."""
     import vllm
 
     from kvcached.integration.patch_base import parse_version
-    from kvcached.integration.vllm import versions
+    from kvcached.integration.vllm import kv_layout, versions
 
     if parse_version(vllm.__version__) not in versions.V029_034:
         pytest.skip(f"vLLM {vllm.__version__}: KVCacheTensor(size, shared_by): buffers laid page aligned already")
-    versions.apply_installed(("vllm.v1.kv_cache_interface",))  # the plan's tensor reader and served specs
+    planner = None
     for name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):  # 0.33 moved it
         try:
             mod = importlib.import_module(name)
         except ImportError:
             continue
         if hasattr(mod, "get_kv_cache_config_from_groups"):
-            return mod
-    pytest.fail("vLLM has no get_kv_cache_config_from_groups")
+            planner = mod
+            break
+    assert planner is not None, "vLLM has no get_kv_cache_config_from_groups"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kv_layout.KVLayoutPlan, "tensor_reader", staticmethod(kv_layout.read_layer_tensors))
+        mp.setattr(kv_layout, "SUPPORTED_SPECS", (*kv_layout.SUPPORTED_SPECS, "MambaSpec"))
+        yield planner
 
 
 def _config(planner, groups, layout: str, memory: int = 20 << 30):
@@ -111,6 +120,32 @@ def test_a_real_qwen3_next_is_charged_one_page_per_layer_region(vllm_planner, pa
     # vLLM's views of the padded layout: layer l of block b where the plan says.
     t = aligned.kv_cache_tensors[0]
     assert t.layer_stride % page == 0 and t.offset == 0 and t.size == 12 * t.layer_stride
+
+
+def test_a_dense_model_whose_blocks_do_not_fill_whole_pages_is_charged_one_page_per_layer(vllm_planner, monkeypatch):
+    """A Llama-3-8B shape (32 layers, 64 KiB blocks, 32 a page) with 20.7 GiB of KV:
+    vLLM's 10,598 blocks leave each layer region 6 blocks past a page boundary from the
+    last, so most regions start mid-page; every logical page was charged 62 pages for
+    32 layers (the limit and the device budget nearly doubled)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvcached.integration.vllm.kv_layout import KVLayoutPlan, patch_kv_cache_configs
+
+    specs = {
+        f"l{i}": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        for i in range(32)
+    }
+    groups = vllm_planner._get_kv_cache_groups_uniform_spec(specs)
+    memory = int(20.7 * (1 << 30))
+    native = _config(vllm_planner, groups, "LBHNC", memory)
+    assert native.num_blocks == 10598
+    assert KVLayoutPlan.from_kv_cache_config(native, 2 * MiB).physical_pages_per_logical_page() == 62
+
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(2 * MiB))
+    core = SimpleNamespace(get_kv_cache_configs=lambda *a: [_config(vllm_planner, groups, "LBHNC", memory)])
+    patch_kv_cache_configs(core)
+    (aligned,) = core.get_kv_cache_configs(None, [], [0])
+    assert KVLayoutPlan.from_kv_cache_config(aligned, 2 * MiB).physical_pages_per_logical_page() == 32
 
 
 @pytest.mark.parametrize(
