@@ -534,8 +534,8 @@ def test_every_logical_page_is_charged_the_most_any_of_them_maps():
 def test_plan_refuses_what_it_cannot_back():
     with pytest.raises(InvalidArgumentError, match="reaches byte"):
         KVLayoutPlan(1 * MiB, 512, 64 * KiB, 128, 2 * MiB, [Placement(0, 2, 32 * MiB, 64 * KiB, 64 * KiB)])
-    with pytest.raises(InvalidArgumentError, match="not within the plan's block size"):
-        KVLayoutPlan(64 * MiB, 512, 32 * KiB, 128, 2 * MiB, [Placement(0, 1, 0, 64 * KiB, 64 * KiB)])
+    with pytest.raises(InvalidArgumentError, match="smaller than the plan's block size"):
+        KVLayoutPlan(64 * MiB, 512, 64 * KiB, 128, 2 * MiB, [Placement(0, 1, 0, 32 * KiB, 32 * KiB)])
     spec = FullAttentionSpec(page_size_bytes=64 * KiB, block_size=128, has_layer_views=True)
     cfg = SimpleNamespace(
         num_blocks=512,
@@ -981,18 +981,19 @@ def test_allocate_slots_rollback_restores_the_request_exactly():
     assert "w" not in m.req_to_blocks and "w" not in m.num_cached_block and "w" not in m._partial_hit_reqs
 
 
-def test_plan_of_layers_with_different_block_sizes_pages_by_the_largest_block():
+def test_plan_of_layers_with_different_block_sizes_pages_by_the_smallest_block():
     # Gemma-4 style: one layer of 64 KiB blocks (global, head 64) and one of 32 KiB
     # blocks (local, head 32), each its own tensor, layer-outermost, 128 KiB pages.
     big, small = 64 * KiB, 32 * KiB
     n = 16
     placements = [Placement(0, 1, 0, big, big), Placement(n * big, 1, 0, small, small)]
-    plan = KVLayoutPlan(n * (big + small), n, big, 128, 128 * KiB, placements)
-    assert plan.geometry.max_blocks_per_page == 2  # the largest block sets the page geometry
-    # Logical page 1 = blocks 2-3: 128 KiB of the big layer (page 1) and 64 KiB of the small one,
-    # the second half of page 8 (which logical page 0 shares).
-    assert plan.physical_pages(1) == (1, 8)
-    assert plan.physical_pages(0) == (0, 8)
+    plan = KVLayoutPlan(n * (big + small), n, small, 128, 128 * KiB, placements)
+    assert plan.geometry.max_blocks_per_page == 4  # the smallest block sets the page geometry
+    # Logical page 1 = blocks 4-7: 256 KiB of the big layer (pages 2-3) and one whole
+    # page of the small one (page 9); no page is shared with a neighbouring logical page.
+    assert plan.physical_pages(1) == (2, 3, 9)
+    assert plan.physical_pages(0) == (0, 1, 8)
+    assert plan.physical_pages_per_logical_page() == 3  # 1.5 pages of each layer's 2: exact
 
 
 def test_a_block_larger_than_a_page_is_refused_naming_the_page_size_to_use():
@@ -1029,10 +1030,11 @@ def test_a_group_of_layers_of_different_head_sizes_reads_block_sizes_from_its_te
     )
     plan = KVLayoutPlan.from_kv_cache_config(cfg, 128 * KiB)
     assert [p.block_bytes for p in plan.placements] == [small, big]
-    assert plan.geometry.max_blocks_per_page == 1
-    # Block 5: layer 0 at 320 KiB (page 2), layer 2 at 1856 KiB (page 14), layer 1 at
-    # 3 MiB + 640 KiB (page 29), layer 3 at 6 MiB + 640 KiB (page 53).
-    assert plan.physical_pages(5) == (2, 14, 29, 53)
+    assert plan.geometry.max_blocks_per_page == 2  # pages cut by the smallest block
+    # Logical page 2 = blocks 4-5: layer 0 at 256 KiB (page 2), layer 2 at 1792 KiB (page
+    # 14), layer 1 at 3 MiB + 512 KiB (pages 28-29), layer 3 at 6 MiB + 512 KiB (52-53).
+    assert plan.physical_pages(2) == (2, 14, 28, 29, 52, 53)
+    assert plan.physical_pages_per_logical_page() == 6  # what the worker maps for it: exact
     # The same tensors in a block-outermost layout cannot be read: refused in one line.
     for t in tensors:
         t.layer_stride, t.block_stride = t.block_stride, 6 * small

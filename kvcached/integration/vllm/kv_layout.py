@@ -15,9 +15,12 @@ Several KV cache groups (local + global layers, each group its own block
 table) share one block pool: vLLM gives their tensors the same bytes ("groups
 alias from byte 0"), a block id being held by one group at a time. Either way
 the plan is the union of the placements, each with its own block size; the
-ledger's page geometry is that of the *largest* block, so no block of any
-tensor straddles a page, and a smaller tensor's blocks of neighbouring logical
-pages share a physical page (reference counted in the worker).
+ledger's page geometry is that of the *smallest* block, so a logical page is
+one page of the smallest tensor and, where the larger blocks are multiples of
+it, whole pages of the others (Gemma 4: 64 and 128 KiB blocks, 1 + 2 pages).
+Cut by the largest block instead, two logical pages would share each page of
+the smaller tensor and each be charged for it. The largest block must still
+fit in a page (start-up names the page size to use otherwise).
 
 kvcached backs that buffer with one FTensor of the same size, so vLLM's own
 views (and strides) stay exactly as it made them. The scheduler's block
@@ -93,10 +96,10 @@ class KVLayoutPlan:
         if not placements:
             raise InvalidArgumentError("KV layout: no KV cache tensor to back")
         for p in placements:
-            if not 0 < p.block_bytes <= block_bytes:
+            if p.block_bytes < block_bytes:
                 raise InvalidArgumentError(
-                    f"KV layout: a tensor's {p.block_bytes}-byte blocks are not within the plan's block size "
-                    f"{block_bytes} B (the largest block of the pool)"
+                    f"KV layout: a tensor's {p.block_bytes}-byte blocks are smaller than the plan's block size "
+                    f"{block_bytes} B (the smallest block of the pool)"
                 )
             last = p.offset + (p.num_layers - 1) * p.layer_stride + (num_blocks - 1) * p.block_stride + p.block_bytes
             if p.offset < 0 or p.layer_stride < 0 or p.block_stride <= 0 or last > buffer_size:
@@ -134,7 +137,10 @@ class KVLayoutPlan:
         num_blocks = int(kv_cache_config.num_blocks)
         buffer_size, placements, block_tokens = cls.tensor_reader(tensors, groups, num_blocks, int(page_size))
         largest = max(p.block_bytes for p in placements)
-        return cls(buffer_size, num_blocks, largest, block_tokens, int(page_size), placements)
+        # Pages are cut by the smallest block; a block larger than a page is refused
+        # the way a single-size pool's is (the constructor names the page size to use).
+        unit = largest if largest > page_size else min(p.block_bytes for p in placements)
+        return cls(buffer_size, num_blocks, unit, block_tokens, int(page_size), placements)
 
     # ------------------------------------------------------------------ pages
 
@@ -196,9 +202,10 @@ Read = Tuple[int, List[Placement], int]  # (buffer bytes, placements, tokens per
 
 
 def _tokens_of_largest(specs: List[Any]) -> int:
-    """Tokens per block of the spec with the largest block (the plan's geometry unit).
-    On a tie (vLLM evens out the pages of a hybrid model's groups) an attention spec's:
-    a Mamba state block's ``block_size`` counts no cached tokens."""
+    """Tokens per block of the spec with the largest block: the geometry unit's too (one
+    group's tensors share a block size in tokens; vLLM evens out groups' bytes). On a tie
+    (the evened-out pages of a hybrid model's groups) an attention spec's: a Mamba state
+    block's ``block_size`` counts no cached tokens."""
     spec = max(specs, key=lambda s: (int(s.page_size_bytes), hasattr(s, "num_kv_heads")))
     return int(getattr(spec, "block_size", 0) or 0)
 
