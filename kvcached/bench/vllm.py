@@ -1,6 +1,6 @@
 """vLLM with and without kvcached, in the same run: output tokens/s and TTFT.
 
-    python -m kvcached.bench vllm [--model DIR] [--requests 64] [--concurrency 16]
+    python -m kvcached.bench vllm [--pool-only [--running 16]] [--model DIR] [--requests 64] [--concurrency 16]
                                   [--input-len 200] [--output-len 48] [--ttft-requests 8]
                                   [--rounds 8] [--kv-page-size SIZE] [--keep-logs DIR] [--json]
 
@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--pool-only", action="store_true", help="only the in-process block-pool comparison (no engines; seconds)"
     )
+    ap.add_argument("--running", type=int, default=16, help="running requests in the block-pool comparison")
     ap.add_argument("--json", action="store_true")
     return ap
 
@@ -131,7 +132,7 @@ def _pool_bench(steps: int, running: int) -> List[Dict[str, Any]]:
     from kvcached.integration.vllm.worker_kv import WorkerKV
 
     apply_installed(("vllm.v1.core.block_pool", "vllm.v1.kv_cache_interface"))  # this vLLM's pool and layout seams
-    n_blocks = 512
+    n_blocks = max(512, 4 * running)  # room for every running request's 2 blocks, and churn
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
     B = spec.page_size_bytes
     kvc = KVCacheConfig(
@@ -225,13 +226,13 @@ def main(argv: List[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    pool_rows = _pool_bench(steps=2000, running=16)
+    pool_rows = _pool_bench(steps=2000, running=a.running)
     if a.pool_only:
         print_table(
             pool_rows,
             ["mode", "pool us/step", "vs base"],
             a.json,
-            {"what": "block-pool calls of one scheduler step, 16 running requests (in process)"},
+            {"what": f"block-pool calls of one scheduler step, {a.running} running requests (in process)"},
         )
         return 0
     from kvcached.testing import vllm_server as vs
@@ -328,7 +329,7 @@ def main(argv: List[str]) -> int:
         "goal": "within 3% (tok/s vs base >= 0.97, TTFT vs base <= 1.03)",
     }
     meta["pool us/step"] = " / ".join(f"{r['mode']} {r['pool us/step']:.1f}" for r in pool_rows) + (
-        " (block-pool calls of one scheduler step with 16 running requests, in process)"
+        f" (block-pool calls of one scheduler step with {a.running} running requests, in process)"
     )
     print_table(
         rows,
