@@ -220,16 +220,22 @@ def _lower_the_limit_while_decoding(s1: h.Server, s2: h.Server, n: int) -> dict:
 def test_a_limit_lowered_while_decoding_is_reached_while_decoding_and_every_request_completes(servers, native_run):
     s1, s2 = servers["s1"], servers["s2"]
     n = len(h.grow_prompts())  # vLLM's max_num_seqs
+    attempts = []
     for _ in range(3):
         run = _lower_the_limit_while_decoding(s1, s2, n)
         assert run["got"] == native_run["tokensD"] * 2  # no request failed; preempted ones recomputed the same
-        if run["ran_all"] and (run["preemptions"] > 0 or run["decoded_after_drop_s"] > 1.0):
+        attempts.append(run["seen"])
+        reached = bool(run["during"]) and min(run["during"]) <= CAP
+        if run["ran_all"] and (run["preemptions"] > 0 or run["decoded_after_drop_s"] > 1.0) and reached:
             break
         # Not the case under test; again: the client saw 8 running only as the load was
         # ending (a finished stream not yet counted), so its requests finished instead of
         # shrinking; or staggered streams never had 8 at once (CI, 0.26 under load: 6).
+        # Or the limit was not reached before the load ended (CI, 0.32: a page over it for
+        # the last 1.75 s): vLLM preempts only when a request needs a block, and a freed
+        # block's page stays while another request's block lives on it. Three in a row fail.
     assert run["ran_all"], run["never_ran"]
-    seen = run["seen"]
+    seen = f"{run['seen']} (attempts: {attempts})"
     during = run["during"]
     assert run["preemptions"] > 0, seen
     # It was over the new limit when it was lowered (read just before; the engine may be
