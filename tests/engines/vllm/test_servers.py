@@ -101,44 +101,6 @@ def _scrape_agreeing_with_kvctl(srv: h.Server):
     return scrape_agreeing_with_kvctl(f"http://127.0.0.1:{srv.port}", srv.name)
 
 
-def test_capped_engine_preempts_and_completes_instead_of_crashing(servers, native_run):
-    s1, s2 = servers["s1"], servers["s2"]
-    r = h.kvctl("limit", s2.name, "1M")
-    assert r.returncode == 0, r.stderr
-    rec = h.read_record(s2.name)
-    assert rec["limit"] == CAP
-    before = h.metrics(s2).get("vllm:num_preemptions_total", 0)
-    with h.Sampler([s1.name, s2.name], workers=False) as sampler:
-        got = _run_all(s2, h.decode_prompts(), h.LONG_DECODE)
-    assert got == native_run["tokensB"]  # every request completed, preempted or not, with the same tokens
-    preempted = h.metrics(s2).get("vllm:num_preemptions_total", 0) - before
-    assert preempted > 0, "the capped engine never preempted: the cap did not bite"
-    samples = [s for s in sampler.samples if s.get(s2.name)]
-    assert len(samples) >= 5
-    assert max(h.mapped(s[s2.name]) for s in samples) <= CAP
-    assert all(h.mapped(s[s1.name]) + h.mapped(s[s2.name]) <= BUDGET for s in samples)
-    assert s2.proc.poll() is None and h.read_record(s2.name)["alive"]
-
-
-def _prefix_hits(srv: h.Server) -> float:
-    return sum(v for k, v in h.metrics(srv).items() if k.startswith("vllm:prefix_cache_hits"))
-
-
-def test_prefixes_evicted_under_a_small_limit_are_recomputed_with_the_same_tokens(servers, native_run):
-    """8 groups' prefix blocks (and their tails) cannot all stay cached in S2's 6
-    blocks: cached prefixes are evicted for new requests, preemption happens too,
-    and the second pass recomputes what was evicted."""
-    s2 = servers["s2"]
-    assert h.read_record(s2.name)["limit"] == CAP  # from the previous test
-    hits = _prefix_hits(s2)
-    with h.Sampler([s2.name], workers=False) as sampler:
-        got1 = _run_all(s2, h.shared_prefix_prompts(), h.PREFIX_DECODE)
-        got2 = _run_all(s2, h.shared_prefix_prompts(), h.PREFIX_DECODE)
-    assert got1 == got2 == native_run["tokensC"]
-    assert _prefix_hits(s2) > hits  # the prefix cache still works under the limit
-    assert max(h.mapped(s[s2.name]) for s in sampler.samples if s.get(s2.name)) <= CAP
-
-
 class _Load:
     """Requests streamed on threads; the client's view of which run: a request whose first
     token has arrived is running in the engine until its last one has (vLLM holds its
@@ -173,6 +135,53 @@ class _Load:
             return [f.result() for f in self._futs]
         finally:
             self._ex.shutdown()
+
+
+def test_capped_engine_preempts_and_completes_instead_of_crashing(servers, native_run):
+    s1, s2 = servers["s1"], servers["s2"]
+    r = h.kvctl("limit", s2.name, "1M")
+    assert r.returncode == 0, r.stderr
+    rec = h.read_record(s2.name)
+    assert rec["limit"] == CAP
+    before = h.metrics(s2).get("vllm:num_preemptions_total", 0)
+    with h.Sampler([s1.name, s2.name], workers=False) as sampler:
+        # The prompts twice over: 8 requests that arrive staggered can run without ever
+        # needing more than 7 blocks at once (CI, 0.32: no preemption); 16 keep the
+        # waiting queue full, so every free block is taken and a request that needs its
+        # second block finds none.
+        load = _Load(s2, h.decode_prompts() * 2, h.LONG_DECODE)
+        got = load.result()
+    assert got == native_run["tokensB"] * 2  # every request completed, preempted or not, with the same tokens
+    samples = [s for s in sampler.samples if s.get(s2.name)]
+    assert len(samples) >= 5
+    peak = max(h.mapped(s[s2.name]) for s in samples)
+    assert peak <= CAP
+    assert all(h.mapped(s[s1.name]) + h.mapped(s[s2.name]) <= BUDGET for s in samples)
+    preempted = h.metrics(s2).get("vllm:num_preemptions_total", 0) - before
+    assert preempted > 0, (
+        f"the capped engine never preempted: the cap did not bite (at most {load.most_running} requests "
+        f"streamed at once; peak {peak / h.BPP:.1f} pages of {CAP // h.BPP})"
+    )
+    assert s2.proc.poll() is None and h.read_record(s2.name)["alive"]
+
+
+def _prefix_hits(srv: h.Server) -> float:
+    return sum(v for k, v in h.metrics(srv).items() if k.startswith("vllm:prefix_cache_hits"))
+
+
+def test_prefixes_evicted_under_a_small_limit_are_recomputed_with_the_same_tokens(servers, native_run):
+    """8 groups' prefix blocks (and their tails) cannot all stay cached in S2's 6
+    blocks: cached prefixes are evicted for new requests, preemption happens too,
+    and the second pass recomputes what was evicted."""
+    s2 = servers["s2"]
+    assert h.read_record(s2.name)["limit"] == CAP  # from the previous test
+    hits = _prefix_hits(s2)
+    with h.Sampler([s2.name], workers=False) as sampler:
+        got1 = _run_all(s2, h.shared_prefix_prompts(), h.PREFIX_DECODE)
+        got2 = _run_all(s2, h.shared_prefix_prompts(), h.PREFIX_DECODE)
+    assert got1 == got2 == native_run["tokensC"]
+    assert _prefix_hits(s2) > hits  # the prefix cache still works under the limit
+    assert max(h.mapped(s[s2.name]) for s in sampler.samples if s.get(s2.name)) <= CAP
 
 
 def _lower_the_limit_while_decoding(s1: h.Server, s2: h.Server, n: int) -> dict:
