@@ -22,7 +22,10 @@ Each round measures, per server:
 * CPU: user + system CPU time of the server's processes (API server,
   EngineCore, worker) per output token in that batch: the overhead measure
   least disturbed by other work on a shared machine;
-* TTFT: ``--ttft-requests`` single streamed requests, one after another.
+* TTFT: ``--ttft-requests`` single streamed requests, one after another;
+* the engine's view of the loaded batch (its /metrics before and after it,
+  ``kvcached.bench.engine_view``): tokens and wall ms per engine step, which
+  tell a slower step from a different schedule.
 
 The table gives per mode the median over rounds, and kvcached / baseline as
 the median of the per-round ratios (paired, so drift between rounds cancels).
@@ -44,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List
 
 from kvcached.bench._table import print_table
+from kvcached.bench.engine_view import scrape, view
 
 MODES = ("baseline", "kvcached")
 KV_BYTES = 64 << 20
@@ -91,12 +95,14 @@ def _round(srv: Any, a: argparse.Namespace, seed: int) -> Dict[str, float]:
     from kvcached.testing.vllm_server import stream, token_prompts
 
     prompts = token_prompts(a.requests, a.input_len, seed)  # fresh prompts: no prefix-cache hits
+    before = scrape(srv.port)
     cpu0 = _cpu_seconds(srv.proc.pid)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(a.concurrency) as ex:
         res = list(ex.map(lambda p: stream(srv, p, a.output_len), prompts))
     wall = time.perf_counter() - t0
     cpu = _cpu_seconds(srv.proc.pid) - cpu0
+    engine = view(before, scrape(srv.port), wall)
     tokens = sum(n for _, _, n in res)
     ttfts = [stream(srv, p, 4)[0] for p in token_prompts(a.ttft_requests, a.input_len, seed + 500_000)]
     return {
@@ -104,6 +110,8 @@ def _round(srv: Any, a: argparse.Namespace, seed: int) -> Dict[str, float]:
         "cpu_ms_per_tok": 1000 * cpu / max(1, tokens),
         "loaded_ttft_ms": 1000 * statistics.median(t for t, _, _ in res),
         "ttft_ms": 1000 * statistics.median(ttfts),
+        "tok_per_step": engine["tokens_per_step"],
+        "ms_per_step": engine["ms_per_step"],
     }
 
 
@@ -283,7 +291,9 @@ def main(argv: List[str]) -> int:
             print(
                 f"# round {r + 1}/{a.rounds}: "
                 + ", ".join(
-                    f"{m} {runs[m][-1]['tok_s']:.0f} tok/s TTFT {runs[m][-1]['ttft_ms']:.1f} ms" for m in MODES
+                    f"{m} {runs[m][-1]['tok_s']:.0f} tok/s TTFT {runs[m][-1]['ttft_ms']:.1f} ms "
+                    f"{runs[m][-1]['tok_per_step']:.1f} tok/step {runs[m][-1]['ms_per_step']:.2f} ms/step"
+                    for m in MODES
                 ),
                 file=sys.stderr,
                 flush=True,
@@ -306,6 +316,8 @@ def main(argv: List[str]) -> int:
             "TTFT ms": med(mode, "ttft_ms"),
             "TTFT loaded ms": med(mode, "loaded_ttft_ms"),
             "CPU ms/token": med(mode, "cpu_ms_per_tok"),
+            "tok/step": med(mode, "tok_per_step"),
+            "ms/step": med(mode, "ms_per_step"),
             "tok/s per round": " ".join(f"{x['tok_s']:.0f}" for x in runs[mode]),
         }
         if mode == "baseline":
@@ -343,6 +355,8 @@ def main(argv: List[str]) -> int:
             "loaded TTFT vs base",
             "CPU ms/token",
             "CPU vs base",
+            "tok/step",
+            "ms/step",
             "tok/s per round",
         ],
         a.json,

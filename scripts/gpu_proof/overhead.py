@@ -10,7 +10,9 @@ The servers run side by side on one device with the same explicit KV capacity
 a time. At each rate, each round runs every server, each first in turn, on fresh
 prompts (the same for all servers in that round), and the table gives the
 median over rounds and server/native. Goal on the H200:
-throughput within 2%, p99 TTFT and TPOT within 3% at every rate.
+throughput within 2%, p99 TTFT and TPOT within 3% at every rate. A second table
+gives each run as the engine saw it (kvcached.bench.engine_view: steps, tokens and ms per
+step, preemptions, queueing), which tells a slower step from another schedule.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log, start_server, wait_all, write_json  # noqa: E402
 from limits import check_limit  # noqa: E402
 
+from kvcached.bench.engine_view import COLUMNS, scrape, view  # noqa: E402
 from kvcached.limits.units import parse_size  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
 
@@ -48,8 +51,9 @@ METRICS = (
 )
 
 
-def bench(srv: vs.Server, rate: float, n: int, a: argparse.Namespace, tag: str, seed: int) -> Dict[str, float]:
-    """One ``vllm bench serve`` run (random dataset drawn with ``seed``) against ``srv``; its result dict."""
+def bench(srv: vs.Server, rate: float, n: int, a: argparse.Namespace, tag: str, seed: int) -> Dict[str, Any]:
+    """One ``vllm bench serve`` run (random dataset drawn with ``seed``) against ``srv``: its
+    METRICS, and under ``engine`` what the engine's /metrics say it did meanwhile."""
     fname = f"{tag}.json"
     cmd = [sys.executable, "-c", BENCH, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{srv.port}"]
     cmd += ["--endpoint", "/v1/completions", "--model", srv.model, "--dataset-name", "random"]
@@ -57,6 +61,7 @@ def bench(srv: vs.Server, rate: float, n: int, a: argparse.Namespace, tag: str, 
     cmd += ["--num-prompts", str(n), "--request-rate", str(rate), "--seed", str(seed), "--disable-tqdm"]
     cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     cmd += ["--save-result", "--result-dir", a.out, "--result-filename", fname]
+    before = scrape(srv.port)
     with open(os.path.join(a.out, "bench.log"), "a") as logf:
         rc = subprocess.run(
             cmd, stdout=logf, stderr=subprocess.STDOUT, env=vs.engine_env(False, **_keep_path())
@@ -67,7 +72,9 @@ def bench(srv: vs.Server, rate: float, n: int, a: argparse.Namespace, tag: str, 
         res = json.load(f)
     if res.get("failed"):
         raise RuntimeError(f"{res['failed']} requests failed in {tag}")
-    return {k: float(res[k]) for k in METRICS}
+    out: Dict[str, Any] = {k: float(res[k]) for k in METRICS}
+    out["engine"] = view(before, scrape(srv.port), out["duration"])
+    return out
 
 
 def page_calls(srv: vs.Server) -> Dict[str, float]:
@@ -86,6 +93,18 @@ def page_calls(srv: vs.Server) -> Dict[str, float]:
                 if name == f"kvcached_{op}_seconds_{part}":
                     out[f"{op}_{part}"] = out.get(f"{op}_{part}", 0.0) + v
     return out
+
+
+def print_engine_view(runs: Dict[str, Dict[float, List[Dict[str, Any]]]], rates: List[float]) -> None:
+    """Per rate and server, the medians over rounds of what the engine did (kvcached.bench.engine_view):
+    a slower step shows as more ms per step at the same tokens per step, a different
+    schedule as other tokens per step and queueing."""
+    print("\nthe engine's view (its /metrics around each run; median over rounds)")
+    print(f"{'rate':>6} {'server':<10} " + " ".join(f"{h:>10}" for _, h, _ in COLUMNS))
+    for rate in rates:
+        for label, per_rate in runs.items():
+            cells = [fmt.format(statistics.median(x["engine"][k] for x in per_rate[rate])) for k, _, fmt in COLUMNS]
+            print(f"{rate:>6g} {label:<10} " + " ".join(f"{c:>10}" for c in cells))
 
 
 def _keep_path() -> Dict[str, str]:
@@ -133,7 +152,7 @@ def main(argv: List[str] | None = None) -> int:
         log(f"servers up after {wait_all(list(servers.values()), 900):.0f} s")
         for label, srv in servers.items():  # warm-up: first requests compile and allocate
             bench(srv, float("inf"), 32, a, f"warmup_{label}", seed=0)
-        runs: Dict[str, Dict[float, List[Dict[str, float]]]] = {k: {r: [] for r in rates} for k in servers}
+        runs: Dict[str, Dict[float, List[Dict[str, Any]]]] = {k: {r: [] for r in rates} for k in servers}
         for rnd in range(a.rounds):
             for i, rate in enumerate(rates):
                 n = a.inf_requests if rate == float("inf") else max(64, int(rate * a.seconds))
@@ -179,6 +198,7 @@ def main(argv: List[str] | None = None) -> int:
                     worst["throughput"] = min(worst["throughput"], ratio)
                 if label == "kvcached" and m.startswith("p99"):
                     worst["p99"] = max(worst["p99"], ratio)
+    print_engine_view(runs, rates)
     busy = {lab: sum(x["duration"] for r in rates for x in runs[lab][r]) for lab in variants}
     for label, calls in save["page_calls"].items():
         print(

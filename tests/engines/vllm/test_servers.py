@@ -14,7 +14,9 @@
   to a loaded peer;
 * ``kill -9`` of an engine leaves a dead record and a stale socket directory;
   an engine restarted under the same name replaces both and serves;
-* stopping a server (SIGTERM) leaves neither.
+* stopping a server (SIGTERM) leaves neither;
+* the benchmarks' engine view (``kvcached.bench.engine_view``) of a run counts
+  its steps and tokens from vLLM's /metrics.
 
 Three server starts in all (S1 and S2 at once, S3 under S1's name after the kill)."""
 
@@ -80,6 +82,27 @@ def test_server_greedy_tokens_identical_to_vllm_without_kvcached(servers, native
     s1 = servers["s1"]
     got = _run_all(s1, h.prompts(12), h.MAX_TOKENS)
     assert got == native_run["tokens1"]
+
+
+def test_the_engine_view_of_a_run_counts_its_steps_and_tokens(servers):
+    from kvcached.bench.engine_view import scrape, view
+
+    s1, n = servers["s1"], 4
+    before = scrape(s1.port)
+    t0 = time.monotonic()
+    _run_all(s1, h.prompts(n, seed=9), h.MAX_TOKENS)
+    duration = time.monotonic() - t0
+    deadline = time.monotonic() + 10
+    while True:  # the last step's stats are recorded just after its tokens go out
+        v = view(before, scrape(s1.port), duration)
+        if v["generation_tokens"] >= n * h.MAX_TOKENS or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert v["generation_tokens"] == n * h.MAX_TOKENS, v
+    assert v["prompt_tokens"] == n * 201, v  # BOS + 200
+    assert h.MAX_TOKENS <= v["steps"] <= n * h.MAX_TOKENS, v
+    assert v["tokens_per_step"] * v["steps"] <= n * (201 + h.MAX_TOKENS), v  # cached prompt tokens are not computed
+    assert v["preemptions"] == 0 and v["ms_per_step"] > 0 and v["decode_ms"] > 0, v
 
 
 def test_the_engines_own_metrics_endpoint_serves_its_kvcached_series(servers):
