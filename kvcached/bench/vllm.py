@@ -25,7 +25,8 @@ Each round measures, per server:
 * TTFT: ``--ttft-requests`` single streamed requests, one after another;
 * the engine's view of the loaded batch (its /metrics before and after it,
   ``kvcached.bench.engine_view``): tokens and wall ms per engine step, which
-  tell a slower step from a different schedule.
+  tell a slower step from a different schedule, and the ms of a loaded
+  request's TTFT spent before the engine queued it (``front ms``).
 
 The table gives per mode the median over rounds, and kvcached / baseline as
 the median of the per-round ratios (paired, so drift between rounds cancels).
@@ -102,7 +103,7 @@ def _round(srv: Any, a: argparse.Namespace, seed: int) -> Dict[str, float]:
         res = list(ex.map(lambda p: stream(srv, p, a.output_len), prompts))
     wall = time.perf_counter() - t0
     cpu = _cpu_seconds(srv.proc.pid) - cpu0
-    engine = view(before, scrape(srv.port), wall)
+    engine = view(before, scrape(srv.port), wall, statistics.mean(t for t, _, _ in res))
     tokens = sum(n for _, _, n in res)
     ttfts = [stream(srv, p, 4)[0] for p in token_prompts(a.ttft_requests, a.input_len, seed + 500_000)]
     return {
@@ -112,6 +113,7 @@ def _round(srv: Any, a: argparse.Namespace, seed: int) -> Dict[str, float]:
         "ttft_ms": 1000 * statistics.median(ttfts),
         "tok_per_step": engine["tokens_per_step"],
         "ms_per_step": engine["ms_per_step"],
+        "front_ms": engine["front_ms"],
     }
 
 
@@ -318,6 +320,7 @@ def main(argv: List[str]) -> int:
             "CPU ms/token": med(mode, "cpu_ms_per_tok"),
             "tok/step": med(mode, "tok_per_step"),
             "ms/step": med(mode, "ms_per_step"),
+            "front ms": med(mode, "front_ms"),
             "tok/s per round": " ".join(f"{x['tok_s']:.0f}" for x in runs[mode]),
         }
         if mode == "baseline":
@@ -357,6 +360,7 @@ def main(argv: List[str]) -> int:
             "CPU vs base",
             "tok/step",
             "ms/step",
+            "front ms",
             "tok/s per round",
         ],
         a.json,
