@@ -70,7 +70,8 @@ VARIABLES: Tuple[Var, ...] = (
         type="bool",
         default="false",
         meaning="`1` tries a vLLM version outside the supported range anyway (the patches of the nearest "
-        "supported version, one warning naming the seams known not to fit); unset, such a version stops start-up",
+        "supported version, one warning naming the seams known not to fit), or a model family not yet proven on a "
+        "GPU (Mamba / gated-delta-net state; one warning); unset, either stops start-up",
     ),
     Var(
         name="KVCACHED_IPC_NAME",
@@ -315,7 +316,8 @@ def autopatch_enabled() -> bool:
 
 
 def allow_unsupported() -> bool:
-    """KVCACHED_ALLOW_UNSUPPORTED (default false): patch an engine version outside the supported range anyway."""
+    """KVCACHED_ALLOW_UNSUPPORTED (default false): patch an engine version outside the supported range, or
+    serve a model family not yet proven on a GPU, anyway."""
     return get_bool("KVCACHED_ALLOW_UNSUPPORTED", False)
 
 

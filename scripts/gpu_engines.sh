@@ -16,9 +16,13 @@
 #                kvcached limit small enough that preemption and eviction run all the time; the
 #                control is native with a pool that small (MLA's recompute is not bit-equal)
 #   hybrid       the same as mla for a small Qwen3-Next (gated-delta-net state and attention KV in
-#                one elastic pool; needs mamba_state_shared_by_0_28 + mamba_state_views_as_strided_0_26)
-#   hybrid-limit the Qwen3-Next under a small limit; vLLM has no batch-invariant GDN kernels, so
-#                float32 (weights and state) keeps a sequence's numbers nearly batch-independent
+#                one elastic pool); kvcached refuses it on a GPU until it matches native there, so
+#                the hybrid steps serve it with KVCACHED_ALLOW_UNSUPPORTED=1 (--allow-unsupported)
+#   hybrid-eager, hybrid-sync
+#                the same pair without CUDA graphs / without async scheduling: which one the
+#                2026-12-04 difference (docs/GPU.md) needs
+#   hybrid-limit the Qwen3-Next under a small limit, bfloat16 with float32 state (vLLM's GDN prefill
+#                takes no float32 input and has no batch-invariant kernels: the control decides)
 #   overhead     vllm bench serve native vs kvcached (and a kvcached that keeps emptied pages
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back
@@ -40,6 +44,7 @@ small="$WORK/models/llama3-1b"
 mla="$WORK/models/deepseek-v2-mla"
 hybrid="$WORK/models/qwen3-next"
 proof=scripts/gpu_proof
+gdn='{"additional_config": {"gdn_prefill_backend": "triton"}}'
 rc=0
 # run STEP SCRIPT ARGS...: the step's script with its work folder, its table to $OUT/STEP.txt.
 run() {
@@ -72,16 +77,26 @@ for step in "${steps[@]}"; do
     mla) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --only native,kvcached,native-2 --control ;;
     mla-limit) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --limit 256M \
       --only native-bi,kvcached-limit,native-small --control ;;
-    hybrid) run "$step" $proof/correctness.py --model "$hybrid" --prompts 200 --kv 2G \
-      --only native,kvcached,native-2 --control ;;
-    hybrid-limit) run "$step" $proof/correctness.py --model "$hybrid" --prompts 200 --kv 2G --limit 256M \
-      --only native,kvcached-limit,native-small --control --no-batch-invariant --dtype float32 \
-      --mamba-ssm-cache-dtype float32 ;;
-    overhead) run "$step" $proof/overhead.py --model "$big" --kv 24G --inf-requests 256 --rates "${KVCACHED_PROOF_RATES:-8,32,inf}" \
-      --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 --variant keep:KVCACHED_MAX_RESERVED_PAGES=700 ;;
+    # vLLM 0.26 picks FlashInfer's GDN prefill on SM90, whose CuTe DSL kernel this image lacks:
+    # Triton's. One GDN state block per running sequence: a 256 MiB pool holds 455, so 256 seqs.
+    hybrid) run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 --kv 2G \
+      --only native,kvcached,native-2 --control --engine-args "$gdn" ;;
+    hybrid-eager|hybrid-sync)
+      [ "$step" = hybrid-eager ] && knob='"enforce_eager": true' || knob='"async_scheduling": false'
+      run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 --kv 2G \
+        --only native,kvcached --engine-args "${gdn%\}}, $knob}" ;;
+    hybrid-limit) run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 \
+      --kv 2G --limit 256M --only native,kvcached-limit,native-small --control --no-batch-invariant \
+      --mamba-ssm-cache-dtype float32 --engine-args "${gdn%\}}, \"max_num_seqs\": 256}" ;;
+    # KVCACHED_PROOF_VARIANTS: more kvcached servers measured beside the two (empty: none).
+    overhead)
+      variants=()
+      for v in ${KVCACHED_PROOF_VARIANTS-keep:KVCACHED_MAX_RESERVED_PAGES=700}; do variants+=(--variant "$v"); done
+      run "$step" $proof/overhead.py --model "$big" --kv 24G --inf-requests 256 --rates "${KVCACHED_PROOF_RATES:-8,32,inf}" \
+        --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 "${variants[@]}" ;;
     three) run "$step" $proof/three_models.py --model "$small" --plot "$OUT/gpu_three_models.png" ;;
     router) run "$step" $proof/router_three.py --model "$small" --plot "$OUT/gpu_router_three.png" ;;
-    *) echo "unknown step $step (model limits correctness correctness-limit mla mla-limit hybrid hybrid-limit overhead three router)" >&2
+    *) echo "unknown step $step (model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-limit overhead three router)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

@@ -5,6 +5,7 @@ tests/engines/vllm (run with the vLLM venv by scripts/test_engines.sh)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -735,6 +736,27 @@ def test_plan_refuses_kv_cache_kinds_not_proven_in_one_line(specs, match):
     sliding = _spec_class("SlidingWindowSpec")(sliding_window=64, **kw)
     plan = KVLayoutPlan.from_kv_cache_config(_kv_config(FullAttentionSpec(**kw), sliding), 2 * MiB)
     assert plan.physical_pages(1) == (1,)  # both groups' block 32 live on the same page
+
+
+def test_a_gpu_worker_refuses_state_kinds_not_proven_on_a_gpu(monkeypatch, caplog):
+    """Mamba / GDN state is proven on the CPU engines; on the H200 a Qwen3-Next gave other
+    tokens than native with the same schedule. A CUDA worker fails closed in one line
+    naming the way out; the CPU serves it; KVCACHED_ALLOW_UNSUPPORTED=1 tries it with a warning."""
+    from kvcached.integration.vllm.kv_layout import refuse_unproven_on_device
+
+    monkeypatch.delenv("KVCACHED_ALLOW_UNSUPPORTED", raising=False)
+    kw = dict(page_size_bytes=64 * KiB, block_size=128)
+    hybrid = _kv_config(FullAttentionSpec(**kw), _spec_class("MambaSpec")(**kw))
+    with pytest.raises(InvalidArgumentError, match=r"Mamba / linear-attention state on a GPU yet \(on the H200") as e:
+        refuse_unproven_on_device(hybrid, "cuda:0")
+    assert "\n" not in str(e.value) and "unset ENABLE_KVCACHED" in str(e.value)
+    assert "KVCACHED_ALLOW_UNSUPPORTED=1" in str(e.value)
+    refuse_unproven_on_device(hybrid, "cpu")
+    refuse_unproven_on_device(_kv_config(FullAttentionSpec(**kw)), "cuda:0")
+    monkeypatch.setenv("KVCACHED_ALLOW_UNSUPPORTED", "1")
+    with caplog.at_level(logging.WARNING, logger="vllm.kvcached"):
+        refuse_unproven_on_device(hybrid, "cuda:1")
+    assert "not proven there" in caplog.text and "cuda:1" in caplog.text
 
 
 @pytest.mark.parametrize(

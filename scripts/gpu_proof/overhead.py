@@ -184,17 +184,20 @@ def main(argv: List[str] | None = None) -> int:
             s.stop()
     print(
         f"\nvllm bench serve, random {a.input_len} in / {a.output_len} out, {a.rounds} rounds (median); "
-        "ratio = kvcached / native"
+        "ratio = kvcached / native; paired = the median of the rounds' own ratios [their range]"
     )
     worst = {"throughput": 1.0, "p99": 1.0}
     for label in variants:
-        print(f"\n{'rate':>6} {'metric':<20} {'native':>10} {label:>10} {'ratio':>7}")
+        print(f"\n{'rate':>6} {'metric':<20} {'native':>10} {label:>10} {'ratio':>7} {'paired':>7}  range")
         for rate in rates:
             for m in METRICS:
                 nat = statistics.median(x[m] for x in runs["native"][rate])
                 kvc = statistics.median(x[m] for x in runs[label][rate])
                 ratio = kvc / nat if nat else float("nan")
-                print(f"{rate:>6g} {m:<20} {nat:>10.2f} {kvc:>10.2f} {ratio:>7.3f}")
+                # Rounds alternate the servers, so a round's ratio cancels what drifted between rounds.
+                pairs = [y[m] / x[m] for x, y in zip(runs["native"][rate], runs[label][rate]) if x[m]]
+                paired = f"{statistics.median(pairs):>7.3f}  {min(pairs):.2f}-{max(pairs):.2f}" if pairs else ""
+                print(f"{rate:>6g} {m:<20} {nat:>10.2f} {kvc:>10.2f} {ratio:>7.3f} {paired}")
                 if label == "kvcached" and m == "output_throughput":
                     worst["throughput"] = min(worst["throughput"], ratio)
                 if label == "kvcached" and m.startswith("p99"):

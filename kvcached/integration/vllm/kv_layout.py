@@ -433,6 +433,38 @@ def refuse_unsupported_model(kv_cache_config: Any) -> None:
             )
 
 
+# Spec kinds proven on the CPU engines but not on a GPU. On the H200 (2026-12-04,
+# docs/GPU.md) a small Qwen3-Next with kvcached gave other greedy tokens than native
+# in 29 of 200 sequences with the very same schedule, where two native runs agreed on
+# all 200; until that is explained, a GPU worker fails closed on them.
+UNPROVEN_ON_GPU: Dict[str, str] = {
+    "MambaSpec": "on the H200 a Qwen3-Next gave other greedy tokens than without kvcached (docs/GPU.md)",
+}
+
+
+def refuse_unproven_on_device(kv_cache_config: Any, device: str) -> None:
+    """One line when a KV cache group is of a kind not yet proven on ``device``'s kind
+    (``UNPROVEN_ON_GPU`` on a CUDA / ROCm device); ``KVCACHED_ALLOW_UNSUPPORTED=1``
+    serves it anyway, with one warning."""
+    if not device.startswith("cuda"):
+        return
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    for kind in sorted({type(s).__name__ for g in groups for s in _specs_of(g.kv_cache_spec)}):
+        why = UNPROVEN_ON_GPU.get(kind)
+        if why is None:
+            continue
+        feature = _SPEC_FEATURES.get(kind, kind)
+        if config.allow_unsupported():
+            logger.warning(
+                "kvcached: KVCACHED_ALLOW_UNSUPPORTED=1: serving %s on %s, not proven there: %s", feature, device, why
+            )
+            continue
+        raise InvalidArgumentError(
+            f"kvcached does not support {feature} on a GPU yet ({why}); unset ENABLE_KVCACHED for this model, "
+            "or KVCACHED_ALLOW_UNSUPPORTED=1 to try it anyway"
+        )
+
+
 def _group_index(groups: List[Any], layer_name: str) -> int:
     for i, g in enumerate(groups):
         if layer_name in g.layer_names:

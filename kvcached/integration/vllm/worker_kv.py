@@ -35,7 +35,7 @@ from kvcached import config, naming, vmm_ops
 from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError
 from kvcached.integration.patch_base import WRAPPED, original, wrap_method
-from kvcached.integration.vllm.kv_layout import KVLayoutPlan
+from kvcached.integration.vllm.kv_layout import KVLayoutPlan, refuse_unproven_on_device
 from kvcached.integration.vllm.worker_executor import PlannedExecutor
 
 logger = logging.getLogger("vllm.kvcached")
@@ -138,6 +138,7 @@ def device_string(device: Any) -> str:
 def _start_worker_kv(kv_cache_config: Any, device: Any) -> Tuple[KVLayoutPlan, WorkerKV]:
     """The plan of ``kv_cache_config`` and this worker's FTensor + listener for it."""
     plan = KVLayoutPlan.from_kv_cache_config(kv_cache_config, config.page_size())
+    refuse_unproven_on_device(kv_cache_config, device_string(device))
     tp, pp, dp, dp_size = _parallel_ranks()
     kv = WorkerKV.start(plan, device_string(device), tp, pp, instance_name(dp, dp_size))
     logger.info(
