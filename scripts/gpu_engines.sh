@@ -16,7 +16,8 @@
 #                kvcached limit small enough that preemption and eviction run all the time; the
 #                control is native with a pool that small (MLA's recompute is not bit-equal)
 #   hybrid       the same as mla for a small Qwen3-Next (gated-delta-net state and attention KV in
-#                one elastic pool); kvcached refuses it on a GPU until it matches native there, so
+#                one elastic pool), and native-dirty (native whose KV memory starts as noise, as a
+#                fresh kvcached page does); kvcached refuses it on a GPU until it matches native, so
 #                the hybrid steps serve it with KVCACHED_ALLOW_UNSUPPORTED=1 (--allow-unsupported)
 #   hybrid-eager, hybrid-sync
 #                the same pair without CUDA graphs / without async scheduling: which one the
@@ -80,7 +81,7 @@ for step in "${steps[@]}"; do
     # vLLM 0.26 picks FlashInfer's GDN prefill on SM90, whose CuTe DSL kernel this image lacks:
     # Triton's. One GDN state block per running sequence: a 256 MiB pool holds 455, so 256 seqs.
     hybrid) run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 --kv 2G \
-      --only native,kvcached,native-2 --control --engine-args "$gdn" ;;
+      --only native,kvcached,native-2,native-dirty --control --engine-args "$gdn" ;;
     hybrid-eager|hybrid-sync)
       [ "$step" = hybrid-eager ] && knob='"enforce_eager": true' || knob='"async_scheduling": false'
       run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 --kv 2G \

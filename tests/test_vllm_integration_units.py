@@ -738,6 +738,24 @@ def test_plan_refuses_kv_cache_kinds_not_proven_in_one_line(specs, match):
     assert plan.physical_pages(1) == (1,)  # both groups' block 32 live on the same page
 
 
+def test_a_hybrid_buffer_counts_the_tokens_of_its_attention_layer():
+    """vLLM 0.26-0.28 share one buffer between a Mamba layer and an attention layer (their
+    pages evened out). Its blocks hold the attention layer's 144 tokens, not the state's
+    block_size (the model length), whichever layer ``shared_by`` names first."""
+    from kvcached.integration.vllm.kv_layout import read_shared_by_tensors
+
+    page = 147456
+    mamba = _spec_class("MambaSpec")(page_size_bytes=page, block_size=4096)
+    attention = FullAttentionSpec(page_size_bytes=page, block_size=144, num_kv_heads=4)
+    groups = [
+        SimpleNamespace(layer_names=["l0", "l2"], kv_cache_spec=mamba),
+        SimpleNamespace(layer_names=["l1", "l3"], kv_cache_spec=attention),
+    ]
+    tensors = [SimpleNamespace(size=100 * page, shared_by=[f"l{i}", f"l{i + 1}"], block_stride=0) for i in (0, 2)]
+    size, placements, block_tokens = read_shared_by_tensors(tensors, groups, 100, 2 * MiB)
+    assert block_tokens == 144 and [p.offset for p in placements] == [0, size // 2]
+
+
 def test_a_gpu_worker_refuses_state_kinds_not_proven_on_a_gpu(monkeypatch, caplog):
     """Mamba / GDN state is proven on the CPU engines; on the H200 a Qwen3-Next gave other
     tokens than native with the same schedule. A CUDA worker fails closed in one line

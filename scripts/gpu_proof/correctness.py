@@ -35,7 +35,7 @@ import random
 import subprocess
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import engine_env, kvctl, log, write_json  # noqa: E402
@@ -97,6 +97,26 @@ def first_schedule_difference(x: str, y: str) -> str:
     return "same schedule"
 
 
+def _dirty_kv(worker: Any) -> int:
+    """Fill every KV and state tensor of this native engine with finite noise before the run,
+    so a block's first use finds old bytes as on kvcached's fresh pages (natively: zeros). If
+    that changes tokens, the engine reads memory it did not write. Returns the bytes filled."""
+    import torch
+
+    def fill(t: Any) -> int:
+        if isinstance(t, (list, tuple)):
+            return sum(fill(x) for x in t)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() > 1:
+            t.uniform_(-1.0, 1.0)
+            return t.numel() * t.element_size()
+        return 0
+
+    filled = fill(worker.model_runner.kv_caches)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return filled
+
+
 def child(a: argparse.Namespace) -> int:
     """One engine: generate, then write tokens and the engine's counters."""
     trace_schedule(a.out[: -len(".json")] + ".sched")
@@ -120,6 +140,9 @@ def child(a: argparse.Namespace) -> int:
     else:
         kw["gpu_memory_utilization"] = 0.2  # only the start-up check reads it: four engines share the device
     llm = LLM(**kw)
+    if a.label == "native-dirty":
+        filled = sum(llm.collective_rpc(_dirty_kv))
+        log(f"{a.label}: {filled / (1 << 20):.0f} MiB of KV views filled with noise")
     if a.limit:
         log(f"{a.label}: kvctl limit {a.name} {a.limit}")
         kvctl("limit", a.name, a.limit)
@@ -217,8 +240,9 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument(
         "--control",
         action="store_true",
-        help="also native-2, a second native engine (how far two native runs differ), and native-small, "
-        "native with a pool of the limit's size (how far native differs from itself under that pressure)",
+        help="also native-2, a second native engine (how far two native runs differ), native-small, "
+        "native with a pool of the limit's size (how far native differs from itself under that pressure), and "
+        "native-dirty, native whose KV memory starts as noise (does the engine read what it did not write)",
     )
     sub = ap.add_subparsers(dest="cmd")
     c = sub.add_parser("child")
@@ -252,7 +276,12 @@ def main(argv: List[str] | None = None) -> int:
     ]
     if a.control:
         # native-small: native with a pool of the limit's size, preempting and evicting too.
-        engines += [("native-2", False, False, None, kv), ("native-small", False, True, None, limit)]
+        # native-dirty: native whose KV memory starts as noise, not zeros (see _dirty_kv).
+        engines += [
+            ("native-2", False, False, None, kv),
+            ("native-small", False, True, None, limit),
+            ("native-dirty", False, False, None, kv),
+        ]
     if a.only:
         keep = set(a.only.split(","))
         engines = [e for e in engines if e[0] in keep]
@@ -319,7 +348,13 @@ def main(argv: List[str] | None = None) -> int:
     rc = 0
     # Without native-bi (--no-batch-invariant runs), the limited engine is held against native.
     limited = "native-bi" if "native-bi" in res else "native"
-    pairs = (("native", "kvcached"), (limited, "kvcached-limit"), ("native", "native-2"), (limited, "native-small"))
+    pairs = (
+        ("native", "kvcached"),
+        (limited, "kvcached-limit"),
+        ("native", "native-2"),
+        (limited, "native-small"),
+        ("native", "native-dirty"),
+    )
     for x, y in pairs:
         if x not in res or y not in res:
             continue

@@ -186,7 +186,7 @@ def main(argv: List[str] | None = None) -> int:
         f"\nvllm bench serve, random {a.input_len} in / {a.output_len} out, {a.rounds} rounds (median); "
         "ratio = kvcached / native; paired = the median of the rounds' own ratios [their range]"
     )
-    worst = {"throughput": 1.0, "p99": 1.0}
+    worst = {"throughput": 1.0, "p99": 1.0, "paired throughput": 1.0, "paired p99": 1.0}
     for label in variants:
         print(f"\n{'rate':>6} {'metric':<20} {'native':>10} {label:>10} {'ratio':>7} {'paired':>7}  range")
         for rate in rates:
@@ -196,12 +196,19 @@ def main(argv: List[str] | None = None) -> int:
                 ratio = kvc / nat if nat else float("nan")
                 # Rounds alternate the servers, so a round's ratio cancels what drifted between rounds.
                 pairs = [y[m] / x[m] for x, y in zip(runs["native"][rate], runs[label][rate]) if x[m]]
-                paired = f"{statistics.median(pairs):>7.3f}  {min(pairs):.2f}-{max(pairs):.2f}" if pairs else ""
-                print(f"{rate:>6g} {m:<20} {nat:>10.2f} {kvc:>10.2f} {ratio:>7.3f} {paired}")
+                if not pairs:
+                    continue
+                paired = statistics.median(pairs)
+                print(
+                    f"{rate:>6g} {m:<20} {nat:>10.2f} {kvc:>10.2f} {ratio:>7.3f} {paired:>7.3f}  "
+                    f"{min(pairs):.2f}-{max(pairs):.2f}"
+                )
                 if label == "kvcached" and m == "output_throughput":
                     worst["throughput"] = min(worst["throughput"], ratio)
+                    worst["paired throughput"] = min(worst["paired throughput"], paired)
                 if label == "kvcached" and m.startswith("p99"):
                     worst["p99"] = max(worst["p99"], ratio)
+                    worst["paired p99"] = max(worst["paired p99"], paired)
     print_engine_view(runs, rates)
     busy = {lab: sum(x["duration"] for r in rates for x in runs[lab][r]) for lab in variants}
     for label, calls in save["page_calls"].items():
@@ -211,8 +218,8 @@ def main(argv: List[str] | None = None) -> int:
             f"since start (warm-up included), beside {busy[label]:.1f} s of measured runs"
         )
     print(
-        f"worst kvcached throughput ratio {worst['throughput']:.3f} (goal >= 0.98); "
-        f"worst p99 ratio {worst['p99']:.3f} (goal <= 1.03)"
+        f"worst kvcached throughput ratio {worst['throughput']:.3f} (paired {worst['paired throughput']:.3f}; "
+        f"goal >= 0.98); worst p99 ratio {worst['p99']:.3f} (paired {worst['paired p99']:.3f}; goal <= 1.03)"
     )
     return 0 if limits_ok else 1
 

@@ -370,7 +370,9 @@ def read_shared_by_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks
             )
         placements.append(Placement(offset, 1, 0, block_bytes, block_bytes))
         offset += -(-int(t.size) // page_size) * page_size
-        specs.append(spec)
+        # Every layer's spec: a hybrid's buffer is shared by a state layer and an
+        # attention layer, and the tokens per block are the attention layer's.
+        specs.extend(_spec_of(groups, name) for name in t.shared_by)
     return offset, placements, _tokens_of_largest(specs)
 
 
