@@ -418,13 +418,18 @@ def _specs_of(spec: Any) -> List[Any]:
     return list(inner.values()) if isinstance(inner, dict) else [spec]
 
 
+def _groups_and_kinds(kv_cache_config: Any) -> Tuple[List[Any], List[str]]:
+    """The config's KV cache groups and the spec class names in them, sorted."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    return groups, sorted({type(s).__name__ for g in groups for s in _specs_of(g.kv_cache_spec)})
+
+
 def refuse_unsupported_model(kv_cache_config: Any) -> None:
     """One line naming the model feature when a KV cache group is of a kind
     kvcached has not been proven on (Mamba state, chunked local attention,
     R-SWA, ...). Several groups of supported kinds (Gemma's local + global
     layers) share the one block pool and are served."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    kinds = sorted({type(s).__name__ for g in groups for s in _specs_of(g.kv_cache_spec)})
+    groups, kinds = _groups_and_kinds(kv_cache_config)
     for kind in kinds:
         if kind not in SUPPORTED_SPECS:
             feature = _SPEC_FEATURES.get(kind, "a KV cache type other than full and sliding-window attention")
@@ -450,8 +455,7 @@ def refuse_unproven_on_device(kv_cache_config: Any, device: str) -> None:
     serves it anyway, with one warning."""
     if not device.startswith("cuda"):
         return
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    for kind in sorted({type(s).__name__ for g in groups for s in _specs_of(g.kv_cache_spec)}):
+    for kind in _groups_and_kinds(kv_cache_config)[1]:
         why = UNPROVEN_ON_GPU.get(kind)
         if why is None:
             continue
