@@ -71,7 +71,7 @@ VARIABLES: Tuple[Var, ...] = (
         default="false",
         meaning="`1` tries a vLLM version outside the supported range anyway (the patches of the nearest "
         "supported version, one warning naming the seams known not to fit), or a model family not yet proven on a "
-        "GPU (Mamba / gated-delta-net state; one warning); unset, either stops start-up",
+        "GPU (Mamba / gated-delta-net state, in vLLM and SGLang; one warning); unset, either stops start-up",
     ),
     Var(
         name="KVCACHED_IPC_NAME",

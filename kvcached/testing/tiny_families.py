@@ -14,6 +14,9 @@ downloads), with seeded weights and the word-level tokenizer of ``tiny_model``:
   ``MambaSpec`` group) in the same block pool as the attention KV. Dense MLPs but
   the last layer's (vLLM's Qwen3-Next wants one MoE layer; the dense Qwen3.5 text
   model needs torchvision in vLLM, which breaks transformers on a CPU).
+* ``lfm2``: Liquid LFM2: short-convolution layers beside full-attention layers; each
+  request keeps the conv state of every conv layer (SGLang's ``MambaPool``, with an
+  empty temporal state). Dense MLPs.
 * ``deepseek_v2``: DeepSeek-V2 with multi-head latent attention (MLA): one latent
   KV row per token and layer (``kv_lora_rank`` + ``qk_rope_head_dim``), K and V of
   different head sizes; dense MLPs only (no routed experts: MoE kernels are beside
@@ -173,7 +176,33 @@ def _qwen3_next_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
         **_token_ids(vocab),
         tie_word_embeddings=False,
     )
+    if sizes.get("sglang"):
+        # SGLang's Qwen3-Next places its attention layers by full_attention_interval and
+        # makes every layer's MLP a MoE block (its checkpoint loader expects the weights).
+        cfg.full_attention_interval = 2
+        cfg.mlp_only_layers = []
     cfg.architectures = ["Qwen3NextForCausalLM"]
+    return cfg
+
+
+def _lfm2_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
+    from transformers import Lfm2Config
+
+    cfg = Lfm2Config(
+        vocab_size=sizes["vocab_size"],
+        hidden_size=64,
+        intermediate_size=128,
+        block_auto_adjust_ff_dim=False,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        conv_L_cache=3,  # the conv kernel width: a slot keeps the last 2 inputs per layer
+        max_position_embeddings=sizes["max_position_embeddings"],
+        **_token_ids(vocab),
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["Lfm2ForCausalLM"]
     return cfg
 
 
@@ -188,6 +217,7 @@ FAMILIES: Dict[str, Callable[[Dict[str, int], Dict[str, Any]], Any]] = {
     "gemma4": _gemma4_config,
     "deepseek_v2": _deepseek_v2_config,
     "qwen3_next": _qwen3_next_config,
+    "lfm2": _lfm2_config,
 }
 
 
@@ -224,12 +254,14 @@ def build_tiny_family(
     max_position_embeddings: int = 4096,
     sliding_window: int = 64,
     gpu_shapes: bool = False,
+    sglang: bool = False,
 ) -> str:
     """Write a tiny random ``family`` checkpoint + tokenizer to ``path``; return ``path``.
 
     ``gpu_shapes``: the attention sizes GPU kernels require (DeepSeek-V2's MLA:
     latent 512 + rope 64; Qwen3-Next: more than one value head), few layers, so the
-    family runs on a GPU engine."""
+    family runs on a GPU engine. ``sglang``: the layout SGLang's model class loads (Qwen3-Next:
+    every layer MoE, attention placed by ``full_attention_interval``)."""
     import torch
     from transformers import GenerationConfig
 
@@ -243,6 +275,7 @@ def build_tiny_family(
         max_position_embeddings=max_position_embeddings,
         sliding_window=sliding_window,
         gpu_shapes=gpu_shapes,
+        sglang=sglang,
     )
     cfg = FAMILIES[family](vocab, sizes)
     cfg.torch_dtype = "float32"

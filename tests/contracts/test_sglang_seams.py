@@ -43,6 +43,7 @@ from seam_ast import (  # noqa: E402
     all_of,
     any_of,
     calls_in,
+    class_member,
     defines,
     has_methods,
     mentions,
@@ -74,6 +75,7 @@ BASE = "sglang.srt.mem_cache.allocator.base"
 TOKEN = "sglang.srt.mem_cache.allocator.token"
 PAGED = "sglang.srt.mem_cache.allocator.paged"
 SWA = "sglang.srt.mem_cache.allocator.swa"
+MAMBA_ALLOC = "sglang.srt.mem_cache.allocator.mamba"
 BPC = "sglang.srt.mem_cache.base_prefix_cache"
 POLICY = "sglang.srt.managers.schedule_policy"
 BATCH = "sglang.srt.managers.schedule_batch"
@@ -125,6 +127,26 @@ def _builds_pools(mod: str, qual: str) -> Check:
     )
 
 
+def _sizes_mamba_state(mod: str, sizer: str) -> Check:
+    """The profile (what sglang-capacity replaces) sizes a hybrid's state pool with ``sizer``."""
+    cls, method = sizer.split(".")
+    profile = f"{cls}._profile_available_bytes"
+    return all_of(
+        mentions(mod, profile, "mambaish_config"),
+        calls_in(mod, profile, f".{method}"),
+        signature(mod, sizer, exactly=("self", "total_rest_memory")),
+    )
+
+
+def _builds_mamba_state(pool_callee: str) -> Check:
+    init = "HybridReqToTokenPool._init_mamba_pool"
+    return all_of(
+        calls_in(MP, init, pool_callee),
+        calls_in(MP, init, "MambaSlotAllocator"),
+        lambda tree: _stores(tree, MP, init, ["mamba_pool", "mamba_allocator"]),
+    )
+
+
 PATCHES: Dict[str, List[Item]] = {
     "sglang-conflicts-post-init": [
         item("ServerArgs.__post_init__(self) validates", signature(SA, "ServerArgs.__post_init__", exactly=("self",))),
@@ -149,6 +171,10 @@ PATCHES: Dict[str, List[Item]] = {
             calls_in(MIXIN, "ModelRunnerKVCacheMixin._resolve_memory_pool_config", "._profile_available_bytes"),
         ),
         item("ModelRunner.device", sets_attrs(RUNNER, "ModelRunner", ["device"])),
+        item(
+            "Mamba hybrids: the profile sizes the state pool with handle_max_mamba_cache(total_rest_memory)",
+            _sizes_mamba_state(MIXIN, "ModelRunnerKVCacheMixin.handle_max_mamba_cache"),
+        ),
     ],
     "sglang-capacity": [
         item(
@@ -160,6 +186,10 @@ PATCHES: Dict[str, List[Item]] = {
             calls_in(KCC, "KVCacheConfigurator._resolve_memory_pool_config", "._profile_available_bytes"),
         ),
         item("KVCacheConfigurator.device", sets_attrs(KCC, "KVCacheConfigurator", ["device"])),
+        item(
+            "Mamba hybrids: the profile sizes the state pool with _handle_max_mamba_cache(total_rest_memory)",
+            _sizes_mamba_state(KCC, "KVCacheConfigurator._handle_max_mamba_cache"),
+        ),
     ],
     "sglang-pool-names-0.5.15": [
         item(
@@ -244,6 +274,22 @@ PATCHES: Dict[str, List[Item]] = {
                 "._build_token_to_kv_pool_allocator",
                 keywords=("token_to_kv_pool", "token_to_kv_pool_allocator"),
             ),
+        ),
+    ],
+    "sglang-mamba-state-0.5.15": [
+        item("the runner builds memory_pool's HybridReqToTokenPool", module_binds(MIXIN, "HybridReqToTokenPool", MP)),
+        item(
+            "_init_mamba_pool builds MambaPool by module-level name, then the slot allocator",
+            _builds_mamba_state("MambaPool"),
+        ),
+    ],
+    "sglang-mamba-state": [
+        item(
+            "the configurator builds memory_pool's HybridReqToTokenPool", module_binds(KCC, "HybridReqToTokenPool", MP)
+        ),
+        item(
+            "_init_mamba_pool builds self.mamba_pool_cls (MambaPool by default), then the slot allocator",
+            all_of(class_member(MP, "HybridReqToTokenPool", "mamba_pool_cls"), _builds_mamba_state(".mamba_pool_cls")),
         ),
     ],
     "sglang-swa-builder": [
@@ -514,6 +560,49 @@ CLASSES: Dict[str, List[Item]] = {
                 calls_in(POLICY, "PrefillAdder._update_prefill_budget", ".reserve"),
             ),
             FROM_0521,
+        ),
+    ],
+    "elastic-mamba-state": [
+        item(
+            "MambaPool(*, size, cache_params, mamba_layer_ids, device, ...) and the options it refuses",
+            signature(
+                MP,
+                "MambaPool.__init__",
+                has=("size", "cache_params", "mamba_layer_ids", "device")
+                + ("speculative_num_draft_tokens", "enable_linear_replayssm", "envelope_layout"),
+            ),
+        ),
+        item(
+            "MambaPool fields it replaces; State(conv, temporal) per layer index",
+            all_of(
+                sets_attrs(MP, "MambaPool", ["size", "device", "mamba_cache", "mem_usage"]),
+                calls_in(MP, "MambaPool.__init__", ".State"),
+                calls_in(MP, "MambaPool.mamba2_layer_cache", ".at_layer_idx"),
+            ),
+        ),
+        item(
+            "our slot allocator overrides MambaSlotAllocator's methods with its parameters",
+            all_of(
+                has_methods(
+                    MAMBA_ALLOC,
+                    "MambaSlotAllocator",
+                    ["available_size", "schedulable_available_size", "alloc", "_do_alloc", "free", "clear"],
+                ),
+                overrides_match(MAMBA_ALLOC, "MambaSlotAllocator", OURS / "mamba.py", "ElasticMambaSlotAllocator"),
+                calls_in(MAMBA_ALLOC, "MambaSlotAllocator.alloc", "._do_alloc"),
+                calls_in(MAMBA_ALLOC, "MambaSlotAllocator.alloc_group_begin", "._do_alloc"),
+            ),
+        ),
+        item(
+            "admission counts schedulable slots; a fresh slot is cleared before use",
+            all_of(
+                calls_in(POLICY, "PrefillAdder.__init__", ".schedulable_available_size"),
+                mentions(BATCH, "ScheduleBatch._collect_deferred_mamba_cow_and_clear", "mamba_needs_clear"),
+            ),
+        ),
+        item(
+            "HybridLinearKVPool keeps the state pool and the attention leaf",
+            sets_attrs(MP, "HybridLinearKVPool", ["mamba_pool", "full_kv_pool"]),
         ),
     ],
     "prefix-cache": [

@@ -43,7 +43,7 @@ from sglang.srt.utils import get_num_new_pages, next_power_of_2
 
 from kvcached.integration.sglang import conflicts
 from kvcached.integration.sglang.eviction import evict_until
-from kvcached.integration.sglang.pool import ElasticGroup, is_elastic_pool
+from kvcached.integration.sglang.pool import ElasticGroup, group_of, is_elastic_pool
 
 _INT64 = torch.int64
 
@@ -85,7 +85,7 @@ class _ElasticAllocatorMixin:
     device: Any
 
     def _kvcached_bind(self, kvcache: Any) -> None:
-        grp = getattr(kvcache, "kvcached_group", None)
+        grp = group_of(kvcache)
         if grp is None:
             # __new__ builds SGLang's own allocator for a pool that is not elastic;
             # only a subclass or a direct call gets here.

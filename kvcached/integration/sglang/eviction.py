@@ -24,6 +24,19 @@ def prefix_sharing(tree_cache: Any) -> bool:
     return bool(sharing()) if sharing is not None else not tree_cache.is_chunk_cache()
 
 
+def evictable_tokens(tree_cache: Any) -> int:
+    """Unlocked attention-KV tokens. A Mamba hybrid's radix cache counts its KV and state
+    pools apart (``MambaRadixCache.evictable_size`` raises): its KV count is ``full_``."""
+    mamba = tree_cache.supports_mamba()
+    return int(tree_cache.full_evictable_size() if mamba else tree_cache.evictable_size())
+
+
+def protected_tokens(tree_cache: Any) -> int:
+    """Locked attention-KV tokens (see ``evictable_tokens``)."""
+    mamba = tree_cache.supports_mamba()
+    return int(tree_cache.full_protected_size() if mamba else tree_cache.protected_size())
+
+
 def evict_tokens(tree_cache: Any, num_tokens: int) -> int:
     """Evicts up to ``num_tokens`` unlocked tokens (SGLang's LRU policy); returns how many went."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -40,7 +53,7 @@ def evict_until(tree_cache: Any, satisfied: Callable[[], bool], step: Callable[[
         return 0
     evicted = 0
     while not satisfied():
-        n = min(int(tree_cache.evictable_size()), max(1, int(step())))
+        n = min(evictable_tokens(tree_cache), max(1, int(step())))
         if n <= 0:
             break
         got = evict_tokens(tree_cache, n)

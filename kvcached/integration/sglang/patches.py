@@ -12,6 +12,7 @@ table with file:line evidence is docs/notes/sglang_seams.md.
   pool buffers             _create_buffers _create_buffers_normal ...
   allocator classes        mixin names     configurator names + built-allocator check ...
   SWA hybrids              refused         refused         refused         swa module names ...
+  Mamba state              MambaPool name  mamba_pool_cls  ...             ...      ...
   prefill admission        PrefillAdder    PrefillAdder    PrefillAdder    allocator.create_prefill_budget
   decode admission         check_decode_mem ...            allocator.check_decode_capacity ...
   scheduler events         Scheduler.__init__/run_batch/process_batch_result/on_idle/flush_cache (all)
@@ -87,11 +88,16 @@ def virtual_kv_bytes(device: str) -> int:
     return int(usable_device_bytes(normalize_device(device)))
 
 
-def _capacity(cls_name: str) -> Callable[[ModuleType], None]:
+def _capacity(cls_name: str, size_mamba: str) -> Callable[[ModuleType], None]:
     def apply(mod: ModuleType) -> None:
         def make(orig: Callable) -> Callable:
             def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
-                return virtual_kv_bytes(self.device)
+                budget = virtual_kv_bytes(self.device)
+                if getattr(self, "mambaish_config", None) is not None:
+                    # As SGLang's own profile does: the Mamba state pool is sized from the
+                    # budget (max_mamba_cache_size) and the attention KV gets the rest.
+                    budget = int(getattr(self, size_mamba)(budget / (1 << 30)) * (1 << 30))
+                return budget
 
             return _profile_available_bytes
 
@@ -156,12 +162,13 @@ def check_built_allocator(alloc: Any, pool: Any) -> None:
     elastic_alloc = isinstance(alloc, (_ElasticAllocatorMixin, ElasticSWATokenToKVPoolAllocator))
     if is_elastic_pool(pool) and elastic_alloc:
         return
-    if getattr(pool, "mamba_pool", None) is not None or type(pool).__name__ == "HybridLinearKVPool":
-        # Qwen3-Next / Qwen3.5 / Nemotron-H: the attention leaf is elastic, the state pool is not.
+    if type(pool).__name__ == "HybridLinearKVPool":
+        # Qwen3-Next / Qwen3.5 / Nemotron-H with a state pool kvcached did not build
+        # (a platform's own class, or a pool built outside HybridReqToTokenPool).
+        state = type(getattr(pool, "mamba_pool", None)).__name__
         raise refuse(
-            f"SGLang's {type(pool).__name__} pairs the attention KV with a Mamba / linear-attention state pool, "
-            "which kvcached's SGLang integration does not make elastic",
-            "serve this model with vLLM 0.29+ (kvcached backs its Mamba state) or without kvcached",
+            f"SGLang's HybridLinearKVPool pairs the attention KV with a {state} state pool kvcached does not back",
+            "serve it with SGLang's own MambaPool (no platform pool class), with vLLM 0.29+, or without kvcached",
         )
     if isinstance(alloc, SWATokenToKVPoolAllocator):
         raise refuse(
@@ -170,7 +177,7 @@ def check_built_allocator(alloc: Any, pool: Any) -> None:
         )
     raise refuse(
         f"SGLang built {type(alloc).__name__} over {type(pool).__name__}, a combination kvcached "
-        "does not make elastic (supported: MHA/GQA and MLA models, SWA hybrids)",
+        "does not make elastic (supported: MHA/GQA and MLA models, SWA and Mamba hybrids)",
         "use a supported model and configuration",
     )
 
@@ -221,6 +228,51 @@ def _swa_builder_name(mod: ModuleType) -> None:
 
 def _swa_sub_allocators(mod: ModuleType) -> None:
     _allocator_names(mod)  # the composite builds its two sub-allocators by these names
+
+
+# ------------------------------------------------------------------- mamba state
+# Applied where the pools are built (the model runner / the configurator), never to
+# memory_pool itself, which kvcached's mamba module imports.
+def _bind_mamba_allocator(make_pool: Callable) -> Callable:
+    from kvcached.integration.sglang.mamba import bind_allocator
+
+    def make(orig: Callable) -> Callable:
+        def _init_mamba_pool(self: Any, *a: Any, **k: Any) -> Any:
+            out = make_pool(orig, self, *a, **k)
+            bind_allocator(self)
+            return out
+
+        return _init_mamba_pool
+
+    return make
+
+
+def _mamba_state_0_5_15(mod: ModuleType) -> None:
+    import sys
+
+    from kvcached.integration.sglang.mamba import ElasticMambaPool
+
+    memory_pool = sys.modules[mod.HybridReqToTokenPool.__module__]
+
+    def make_pool(orig: Callable, self: Any, *a: Any, **k: Any) -> Any:
+        # _init_mamba_pool builds MambaPool by its module-level name; swapped only
+        # for the call, so isinstance checks elsewhere still see SGLang's class.
+        native, memory_pool.MambaPool = memory_pool.MambaPool, ElasticMambaPool
+        try:
+            return orig(self, *a, **k)
+        finally:
+            memory_pool.MambaPool = native
+
+    wrap_method(mod.HybridReqToTokenPool, "_init_mamba_pool", _bind_mamba_allocator(make_pool))
+
+
+def _mamba_state(mod: ModuleType) -> None:
+    from kvcached.integration.sglang.mamba import ElasticMambaPool
+
+    cls = mod.HybridReqToTokenPool
+    if cls.__dict__.get("mamba_pool_cls") is not None and cls.mamba_pool_cls.__name__ == "MambaPool":
+        cls.mamba_pool_cls = ElasticMambaPool  # a platform's own pool class is left alone (and refused)
+    wrap_method(cls, "_init_mamba_pool", _bind_mamba_allocator(lambda orig, *a, **k: orig(*a, **k)))
 
 
 # --------------------------------------------------------------------- admission
@@ -295,9 +347,10 @@ def all_patches() -> List[BasePatch]:
           "refuse SGLang features that own or re-address the KV memory (ServerArgs.__post_init__)"),
         p("sglang-conflicts", "sglang.srt.server_args", RESOLVE_ONCE, _conflicts("resolve_once"),
           "refuse SGLang features that own or re-address the KV memory (ServerArgs.resolve_once)"),
-        p("sglang-capacity-0.5.15", MIXIN, V0515, _capacity("ModelRunnerKVCacheMixin"),
+        p("sglang-capacity-0.5.15", MIXIN, V0515, _capacity("ModelRunnerKVCacheMixin", "handle_max_mamba_cache"),
           "size the pool from a virtual budget, not from free device memory (model runner)"),
-        p("sglang-capacity", CONFIGURATOR_MOD, CONFIGURATOR, _capacity("KVCacheConfigurator"),
+        p("sglang-capacity", CONFIGURATOR_MOD, CONFIGURATOR,
+          _capacity("KVCacheConfigurator", "_handle_max_mamba_cache"),
           "size the pool from a virtual budget, not from free device memory"),
         p("sglang-pool-names-0.5.15", MIXIN, V0515, _pool_names,
           "elastic MHA/MLA pools: the model runner builds them by module-level name"),
@@ -315,6 +368,10 @@ def all_patches() -> List[BasePatch]:
           "the elastic SWA composite for hybrid sliding-window models"),
         p("sglang-swa-allocators", "sglang.srt.mem_cache.allocator.swa", SWA, _swa_sub_allocators,
           "elastic sub-allocators inside the SWA composite"),
+        p("sglang-mamba-state-0.5.15", MIXIN, V0515, _mamba_state_0_5_15,
+          "elastic Mamba state pool and slot allocator (_init_mamba_pool builds MambaPool by name)"),
+        p("sglang-mamba-state", CONFIGURATOR_MOD, CONFIGURATOR, _mamba_state,
+          "elastic Mamba state pool (HybridReqToTokenPool.mamba_pool_cls) and slot allocator"),
         p("sglang-prefill-adder", "sglang.srt.managers.schedule_policy", PREFILL_ADDER, _prefill_adder,
           "prefill admission by what can be mapped now (PrefillAdder reads available_size)"),
         p("sglang-check-decode-mem", "sglang.srt.managers.schedule_batch", DECODE_MEM, _check_decode_mem,
@@ -368,6 +425,8 @@ KNOWN_BREAKS: Dict[Tuple[str, str], str] = {
     **{("sglang-allocators-0.5.15", v): _NO_MIXIN + " (sglang-allocators)" for v in _V[2:]},
     **{("sglang-allocators", v): _NO_CONFIGURATOR + " (sglang-allocators-0.5.15)" for v in _0515},
     **{("sglang-swa-builder", v): _NO_CONFIGURATOR for v in _0515},
+    **{("sglang-mamba-state-0.5.15", v): _NO_MIXIN + " (sglang-mamba-state)" for v in _V[2:]},
+    **{("sglang-mamba-state", v): _NO_CONFIGURATOR + " (sglang-mamba-state-0.5.15)" for v in _0515},
     **{("sglang-swa-allocators", v): "before 0.5.20: the SWA composite has no _swa_req_ring; before 0.5.21: no "
        "SWAPrefillBudget (hybrid sliding-window models are refused)" for v in _V[:6]},
     ("sglang-swa-allocators", "0.5.20"): "0.5.20: no SWAPrefillBudget, the composite's prefill admission reads "

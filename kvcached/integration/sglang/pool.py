@@ -121,15 +121,26 @@ def instance() -> ElasticInstance:
 
 
 def is_elastic_pool(kvcache: Any) -> bool:
-    """True for an elastic pool, or an SWA composite whose sub-pools are all elastic."""
+    """True for an elastic pool, an SWA composite whose sub-pools are all elastic, or a
+    Mamba hybrid's ``HybridLinearKVPool`` whose attention leaf and state pool both are."""
     if kvcache is None:
         return False
     if getattr(kvcache, "kvcached_group", None) is not None:
         return True
-    # Both sub-pools: a Mamba hybrid's HybridLinearKVPool also has an (elastic)
-    # full_kv_pool, beside a state pool kvcached does not back.
-    subs = [getattr(kvcache, n, None) for n in ("full_kv_pool", "swa_kv_pool")]
+    if type(kvcache).__name__ == "HybridLinearKVPool":
+        subs = [getattr(kvcache, n, None) for n in ("full_kv_pool", "mamba_pool")]
+    else:
+        subs = [getattr(kvcache, n, None) for n in ("full_kv_pool", "swa_kv_pool")]
     return all(getattr(s, "kvcached_group", None) is not None for s in subs)
+
+
+def group_of(kvcache: Any) -> Optional[ElasticGroup]:
+    """The KV group a token allocator over ``kvcache`` hands out from: the pool's own, or a
+    Mamba hybrid's attention leaf's (its state pool has its own slot allocator)."""
+    grp = getattr(kvcache, "kvcached_group", None)
+    if grp is None and type(kvcache).__name__ == "HybridLinearKVPool" and is_elastic_pool(kvcache):
+        grp = kvcache.full_kv_pool.kvcached_group
+    return grp
 
 
 def shutdown_all() -> None:

@@ -11,6 +11,8 @@ from typing import Any
 
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget, SWAPrefillBudget
 
+from kvcached.integration.sglang.eviction import evictable_tokens
+
 
 class _SetsAsideAdmitted:
     """Every admitted prefill's tokens are set aside when the budget takes them
@@ -34,9 +36,7 @@ class ElasticPrefillBudget(_SetsAsideAdmitted, PrefillBudget):
     """PrefillBudget whose free space is what can be mapped now, not the logical count."""
 
     def _available_and_evictable(self) -> int:
-        tc = self.tree_cache
-        evictable = tc.full_evictable_size() if tc.supports_mamba() else tc.evictable_size()
-        return self.allocator.physical_available_size() + evictable
+        return self.allocator.physical_available_size() + evictable_tokens(self.tree_cache)
 
 
 class ElasticSWAPrefillBudget(_SetsAsideAdmitted, SWAPrefillBudget):

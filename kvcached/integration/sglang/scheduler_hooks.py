@@ -55,7 +55,13 @@ from kvcached.elastic import IdleAction, cache_excess_tokens
 from kvcached.elastic.cache_bound import max_cached_tokens
 from kvcached.integration.patch_base import summary_of
 from kvcached.integration.sglang.admission import tokens_wanted
-from kvcached.integration.sglang.eviction import evict_tokens, evict_until, prefix_sharing
+from kvcached.integration.sglang.eviction import (
+    evict_tokens,
+    evict_until,
+    evictable_tokens,
+    prefix_sharing,
+    protected_tokens,
+)
 from kvcached.integration.sglang.pool import elastic_groups, instance
 
 logger = logging.getLogger("kvcached.integration.sglang")
@@ -149,8 +155,8 @@ def give_back_to_peers(tree_cache: Any) -> int:
     if not inst.idle_action() & IdleAction.GIVE_TO_PEERS:
         return 0
     n = 0
-    if prefix_sharing(tree_cache) and tree_cache.evictable_size() > 0:
-        n = evict_tokens(tree_cache, tree_cache.evictable_size())
+    if prefix_sharing(tree_cache) and evictable_tokens(tree_cache) > 0:
+        n = evict_tokens(tree_cache, evictable_tokens(tree_cache))
         _stats["peer_evicted_tokens"] += n
     release_all()
     inst.give_back()
@@ -175,8 +181,8 @@ def bound_prefix_cache(tree_cache: Any) -> int:
     bound = max_cached_tokens()
     if bound is None or not prefix_sharing(tree_cache):
         return 0
-    evictable = int(tree_cache.evictable_size())
-    excess = cache_excess_tokens(evictable + int(tree_cache.protected_size()), evictable, bound)
+    evictable = evictable_tokens(tree_cache)
+    excess = cache_excess_tokens(evictable + protected_tokens(tree_cache), evictable, bound)
     if excess <= 0:
         return 0
     n = evict_tokens(tree_cache, excess)
@@ -194,7 +200,7 @@ def shrink_to_limits(tree_cache: Any) -> int:
             continue
         g.drain()  # spare slots may be all that keeps some pages
         instance().fence.release_due(grace_s=0.0)  # no grace period over the limit
-        if tree_cache.evictable_size() <= 0 or g.live_pages_over_limit() <= 0:
+        if evictable_tokens(tree_cache) <= 0 or g.live_pages_over_limit() <= 0:
             continue  # only emptied pages or the reserve are over: released/trimmed without evicting
         # At least the tokens of the pages over the limit must go; evicted in
         # steps of that size (LRU order) until the live pages fit. Evicted slots
@@ -258,8 +264,8 @@ def report(scheduler: Any) -> Dict[str, Any]:
         "available_size": alloc.available_size() if alloc is not None else None,
         "physical_available_size": getattr(alloc, "physical_available_size", lambda: None)(),
         "max_total_num_tokens": getattr(scheduler, "max_total_num_tokens", None),
-        "evictable_size": tree.evictable_size() if tree is not None else None,
-        "protected_size": tree.protected_size() if tree is not None else None,
+        "evictable_size": evictable_tokens(tree) if tree is not None else None,
+        "protected_size": protected_tokens(tree) if tree is not None else None,
         "max_cached_tokens": max_cached_tokens(),
         "pools": pools,
         # kvcached's vLLM patches in this process ("" when none: SGLang may import vLLM as a library).

@@ -53,6 +53,21 @@ def kvcached_patches():
         del os.environ["ENABLE_KVCACHED"]
 
 
+@pytest.fixture
+def unit_kvcached_env(monkeypatch, kvcached_patches):
+    """Pools and allocators built in this process: small pages, no reserve, closed after."""
+    from sglang_versions import UNIT_PAGE
+
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(UNIT_PAGE))
+    monkeypatch.setenv("KVCACHED_IPC_NAME", f"kvcached_sglang_unit_{os.getpid()}")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    yield
+    from kvcached.integration.sglang.pool import shutdown_all
+
+    shutdown_all()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny random Llama (2 layers, 2 KV heads, head_dim 32), built at test time."""

@@ -5,7 +5,9 @@ per run: ENABLE_KVCACHED is read at interpreter start).
 
 CONFIG: {"model": path, "page_size": int, "max_total_tokens": int,
          "kv_cache_dtype": "auto"|"fp8_e4m3", "a_new": tokens, "long": tokens (0: none),
-         "long_prompts": int, "record_name": str and "report": path (kvcached runs)}
+         "long_prompts": int, "record_name": str and "report": path (kvcached runs),
+         "engine": extra sglang.Engine kwargs, "start_only": start, report, stop,
+         "multi_turn": pass 2 continues pass 1's requests instead of repeating their prompts}
 
 Prefix caching (SGLang's radix cache) is on and ``--max-total-tokens`` is the same in
 both runs, small enough that workload A (8 requests decoding past what the pool
@@ -45,6 +47,15 @@ def long_prompts(n: int) -> List[str]:
     return [" ".join(f"w{(11 * i + 5 * j + 1) % 400}" for j in range(30)) for i in range(n)]
 
 
+def next_turn(model: str, prompts: List[str], outputs: List[List[int]]) -> List[List[int]]:
+    """Token ids of each prompt, its output, then one more word."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    more = tok("w7", add_special_tokens=False)["input_ids"]
+    return [tok(p)["input_ids"] + list(o) + more for p, o in zip(prompts, outputs)]
+
+
 def main() -> int:
     from engine_driver import Sampler  # noqa: E402  (the tests' folder is on sys.path)
 
@@ -75,9 +86,9 @@ def main() -> int:
     res["start_s"] = round(time.monotonic() - t0, 1)
     name = cfg.get("record_name")
 
-    def record():
-        from kvcached.limits import read_record
+    from kvcached.limits import read_record
 
+    def record():
         return read_record(name)
 
     def mapped() -> int:
@@ -89,25 +100,15 @@ def main() -> int:
         res["max_total_num_tokens"] = info.get("max_total_num_tokens") or state.get("max_total_num_tokens")
         if name:
             res["record_start"] = dataclasses.asdict(record())
-        sp = {"temperature": 0.0, "max_new_tokens": cfg["a_new"], "ignore_eos": False}
-        prompts = a_prompts("a")
         sampler = Sampler(mapped if name else (lambda: 0))
-        with sampler:
-            outs = engine.generate(prompt=prompts, sampling_params=sp)
-            res["tokens1"] = [o["output_ids"] for o in outs]
-            res["cached1"] = [o["meta_info"].get("cached_tokens") for o in outs]
-            # Pass 2 only has to find the prefixes again: a few tokens each are enough.
-            outs = engine.generate(prompt=prompts, sampling_params=dict(sp, max_new_tokens=PASS2_NEW))
-            res["tokens2"] = [o["output_ids"] for o in outs]
-            res["cached2"] = [o["meta_info"].get("cached_tokens") for o in outs]
-            if cfg.get("long"):
-                spl = {"temperature": 0.0, "max_new_tokens": cfg["long"], "ignore_eos": True}
-                t1 = time.monotonic()
-                outs = engine.generate(prompt=long_prompts(cfg.get("long_prompts", 2)), sampling_params=spl)
-                res["long_s"] = round(time.monotonic() - t1, 1)
-                res["tokensL"] = [o["output_ids"] for o in outs]
+        # A hybrid's state pool (group 1, when there is one) has its own record.
+        state = Sampler((lambda: read_record(f"{name}_g1").mapped) if name else (lambda: 0))
+        if not cfg.get("start_only"):
+            with sampler, state:
+                run_workloads(engine, cfg, res)
         if name:
             res["peak_mapped"] = sampler.peak
+            res["peak_state_mapped"] = state.peak
             res["record_end"] = dataclasses.asdict(record())
             engine.collective_rpc("kvcached_report", path=cfg["report"])
             with open(cfg["report"]) as f:
@@ -117,6 +118,31 @@ def main() -> int:
     with open(out_path, "w") as f:
         json.dump(res, f)
     return 0
+
+
+def run_workloads(engine: Any, cfg: Dict[str, Any], res: Dict[str, Any]) -> None:
+    """Workload A twice (prefix-cache hits in pass 2), then workload L."""
+    sp = {"temperature": 0.0, "max_new_tokens": cfg["a_new"], "ignore_eos": False}
+    prompts = a_prompts("a")
+    outs = engine.generate(prompt=prompts, sampling_params=sp)
+    res["tokens1"] = [o["output_ids"] for o in outs]
+    res["cached1"] = [o["meta_info"].get("cached_tokens") for o in outs]
+    # Pass 2 only has to find the prefixes again: a few tokens each are enough.
+    sp2 = dict(sp, max_new_tokens=PASS2_NEW)
+    if cfg.get("multi_turn"):
+        # A hybrid's radix cache keeps a request's recurrent state only where the
+        # request ended (no per-chunk snapshots on a CPU): the next turn continues it.
+        outs = engine.generate(input_ids=next_turn(cfg["model"], prompts, res["tokens1"]), sampling_params=sp2)
+    else:
+        outs = engine.generate(prompt=prompts, sampling_params=sp2)
+    res["tokens2"] = [o["output_ids"] for o in outs]
+    res["cached2"] = [o["meta_info"].get("cached_tokens") for o in outs]
+    if cfg.get("long"):
+        spl = {"temperature": 0.0, "max_new_tokens": cfg["long"], "ignore_eos": True}
+        t1 = time.monotonic()
+        outs = engine.generate(prompt=long_prompts(cfg.get("long_prompts", 2)), sampling_params=spl)
+        res["long_s"] = round(time.monotonic() - t1, 1)
+        res["tokensL"] = [o["output_ids"] for o in outs]
 
 
 if __name__ == "__main__":

@@ -18,30 +18,20 @@ are mapped for live slots and unmapped after release.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from typing import Dict, List, Optional
 
 import pytest
 import torch
-from sglang_versions import NATIVE_PAGED_ON_CPU, sglang_version
+from sglang_versions import NATIVE_PAGED_ON_CPU, UNIT_PAGE, sglang_version
 
-PAGE = 4096  # kvcached page for these tests: 32 tokens of the tiny model's rows
+PAGE = UNIT_PAGE  # the kvcached page of unit_kvcached_env: 32 tokens of the tiny model's rows
 ROW_HEADS, ROW_DIM = 2, 32
 DT = torch.float16
 
 
-@pytest.fixture(autouse=True)
-def kvcached_env(monkeypatch, kvcached_patches):
-    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
-    monkeypatch.setenv("KVCACHED_IPC_NAME", f"kvcached_sglang_unit_{os.getpid()}")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
-    yield
-    from kvcached.integration.sglang.pool import shutdown_all
-
-    shutdown_all()
+pytestmark = pytest.mark.usefixtures("unit_kvcached_env")
 
 
 def _mha(cls, size: int, ps: int, layers: int = 2):
@@ -599,43 +589,3 @@ def test_swa_composite_with_sub_pools_of_different_head_sizes(monkeypatch) -> No
     # 200 tokens: 64 KiB of head-64 rows per K/V buffer and layer, half that on the SWA side.
     grew = (full.manager.get_mapped_memory_size() - before[0], swa.manager.get_mapped_memory_size() - before[1])
     assert grew[0] > 0 and grew[1] > 0, grew
-
-
-@pytest.mark.parametrize("ps", [1, 16])
-def test_mamba_hybrid_pool_is_refused_with_one_line(monkeypatch, ps: int) -> None:
-    """Mamba / gated-delta-net hybrids (Qwen3-Next, Qwen3.5): SGLang builds a
-    ``HybridLinearKVPool`` whose full-attention leaf is our elastic pool (it passes the
-    resolved MHA class as ``full_kv_pool_class``, 0.5.15 and 0.5.23) beside a static Mamba
-    state pool, then a token or paged allocator over the composite. The composite is not
-    elastic, so the allocator names resolve to SGLang's own classes, and the seam's check
-    of the built allocator (``check_built_allocator``, run where SGLang builds it) stops
-    start-up with one line naming the model kind and the fix; it never runs half elastic."""
-    monkeypatch.setenv("ENABLE_KVCACHED", "1")
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
-
-    from kvcached.integration.sglang.conflicts import UnsupportedConfigurationError
-    from kvcached.integration.sglang.patches import check_built_allocator
-    from kvcached.integration.sglang.pool import ElasticMHATokenToKVPool, is_elastic_pool
-
-    pool = HybridLinearKVPool(
-        page_size=ps,
-        size=1024,
-        dtype=DT,
-        head_num=ROW_HEADS,
-        head_dim=ROW_DIM,
-        full_attention_layer_ids=[3],
-        device="cpu",
-        mamba_pool=None,  # SGLang's MambaPool lives in the req-to-token pool; unused here
-        full_kv_pool_class=ElasticMHATokenToKVPool,
-    )
-    assert is_elastic_pool(pool.full_kv_pool) and not is_elastic_pool(pool)
-    alloc = _allocator(pool, 1024, ps, elastic=True)  # the patched names, as SGLang calls them
-    assert type(alloc) is (TokenToKVPoolAllocator if ps == 1 else PagedTokenToKVPoolAllocator)
-    with pytest.raises(UnsupportedConfigurationError) as err:
-        check_built_allocator(alloc, pool)
-    msg = str(err.value)
-    assert "\n" not in msg
-    assert "HybridLinearKVPool" in msg and "Mamba / linear-attention state pool" in msg
-    assert "vLLM 0.29+" in msg and "ENABLE_KVCACHED" in msg
