@@ -604,6 +604,21 @@ CLASSES: Dict[str, List[Item]] = {
             "HybridLinearKVPool keeps the state pool and the attention leaf",
             sets_attrs(MP, "HybridLinearKVPool", ["mamba_pool", "full_kv_pool"]),
         ),
+        item(
+            "a hybrid's radix cache: supports_mamba, full_/mamba_evictable_size, evict(EvictParams(mamba_num))",
+            all_of(
+                has_methods(BPC, "BasePrefixCache", ["supports_mamba", "full_evictable_size", "full_protected_size"]),
+                any_of(
+                    has_methods("sglang.srt.mem_cache.mamba_radix_cache", "MambaRadixCache", ["mamba_evictable_size"]),
+                    has_methods(
+                        "sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache", ["mamba_evictable_size"]
+                    ),
+                ),
+                sets_attrs(BPC, "EvictParams", ["mamba_num"]),
+                sets_attrs(BPC, "EvictResult", ["mamba_num_evicted"]),
+                sets_attrs(SCHED, "Scheduler", ["req_to_token_pool", "tree_cache"]),
+            ),
+        ),
     ],
     "prefix-cache": [
         item(

@@ -176,6 +176,9 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
         self.kvcached_group = group
         self._mgr = group.manager
         self._held: set = set()
+        # The scheduler's prefix cache (scheduler_hooks.after_init): its unlocked states
+        # are evicted when a slot cannot be mapped (a limit lowered since admission).
+        self.kvcached_tree_cache: Any = None
         super().__init__(size=size, device=device)  # calls clear()
 
     def available_size(self) -> int:
@@ -190,10 +193,24 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
         if need_size <= 0:
             return torch.empty((0,), dtype=_INT64, device=self.device)
         ids = self._mgr.alloc(need_size)
+        if ids is None and self._evict_states(need_size):
+            ids = self._mgr.alloc(need_size)
         if ids is None:
-            return None
+            return None  # SGLang's own answer for a full pool
         self._held.update(ids)
         return torch.tensor(ids, dtype=_INT64, device=self.device)
+
+    def _evict_states(self, need_size: int) -> bool:
+        """Admission counted these slots as free, but they cannot be mapped now (the limit or
+        the device budget fell since): evicts unlocked cached states (SGLang's LRU) to free
+        slots on mapped pages. True if any went."""
+        tree = self.kvcached_tree_cache
+        if tree is None or not tree.supports_mamba() or tree.mamba_evictable_size() <= 0:
+            return False
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        res = tree.evict(EvictParams(mamba_num=int(need_size)))
+        return int(getattr(res, "mamba_num_evicted", 0) or 0) > 0
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel():

@@ -80,11 +80,12 @@ _stats: Dict[str, int] = {
 
 
 def after_init(scheduler: Any) -> None:
-    """The scheduler is built: its elastic allocators learn its prefix cache (they evict
-    from it when an allocation comes up short, see ``allocator.py``)."""
+    """The scheduler is built: its elastic allocators (a hybrid's state slots too) learn its
+    prefix cache (they evict from it when an allocation comes up short, see ``allocator.py``)."""
     alloc = getattr(scheduler, "token_to_kv_pool_allocator", None)
     tree = getattr(scheduler, "tree_cache", None)
-    for a in (alloc, getattr(alloc, "full_attn_allocator", None), getattr(alloc, "swa_attn_allocator", None)):
+    states = getattr(getattr(scheduler, "req_to_token_pool", None), "mamba_allocator", None)
+    for a in (alloc, getattr(alloc, "full_attn_allocator", None), getattr(alloc, "swa_attn_allocator", None), states):
         if a is not None and hasattr(a, "kvcached_tree_cache"):
             a.kvcached_tree_cache = tree
 

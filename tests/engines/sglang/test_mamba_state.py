@@ -189,6 +189,47 @@ def test_a_limit_caps_the_slots_admission_sees_and_the_logical_count_stays() -> 
     assert alloc.alloc(1) is not None
 
 
+class _CachedStates:
+    """The scheduler's radix cache as the slot allocator sees it (``supports_mamba``,
+    ``mamba_evictable_size``, ``evict``): states it keeps for finished requests, evicted
+    oldest first by freeing their slots. A stand-in: a real MambaRadixCache needs a whole
+    scheduler around it; the engine runs exercise the real one."""
+
+    def __init__(self, alloc, slots) -> None:
+        self.alloc, self.slots = alloc, list(slots)
+
+    def supports_mamba(self) -> bool:
+        return True
+
+    def mamba_evictable_size(self) -> int:
+        return len(self.slots)
+
+    def evict(self, params):
+        from sglang.srt.mem_cache.base_prefix_cache import EvictResult
+
+        gone, self.slots = self.slots[: params.mamba_num], self.slots[params.mamba_num :]
+        for s in gone:
+            self.alloc.free(s)
+        return EvictResult(mamba_num_evicted=len(gone))
+
+
+def test_a_slot_the_limit_will_not_map_evicts_cached_states_instead_of_failing() -> None:
+    """Admission counted a slot as free, then ``kvctl limit`` fell: the allocation evicts
+    unlocked cached states (their slots are on mapped pages) rather than answering None,
+    which SGLang's HybridReqToTokenPool.alloc asserts on."""
+    from kvcached.control import set_instance_memory_limit
+
+    rp = _req_pool()
+    alloc, grp = rp.mamba_allocator, rp.mamba_pool.kvcached_group
+    cached = [alloc.alloc(1) for _ in range(3)]  # states the radix cache keeps: pages 0 and 1
+    assert set_instance_memory_limit(2 * grp.manager.bytes_per_page, name=grp.record_name).status == "applied"
+    assert alloc.available_size() == SLOTS - 3 and alloc.alloc(1) is None  # no cache to take from
+    alloc.kvcached_tree_cache = _CachedStates(alloc, cached)
+    got = alloc.alloc(1)
+    assert got is not None and alloc.kvcached_tree_cache.mamba_evictable_size() == 2
+    assert _mapped_pages(grp) <= 2
+
+
 @pytest.mark.parametrize("ps", [1, 16])
 def test_the_hybrid_composite_over_elastic_pools_gets_elastic_allocators(ps: int) -> None:
     """SGLang builds ``HybridLinearKVPool`` (its attention leaf from the resolved MHA class,
