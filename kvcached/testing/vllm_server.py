@@ -225,6 +225,39 @@ def complete(
     return tokens
 
 
+def stream_batch(
+    srv: Server,
+    prompts: List[List[int]],
+    max_tokens: int,
+    on_token: Callable[[int, bool], None],
+    timeout: float = 300,
+) -> List[List[int]]:
+    """Greedy completions of every prompt in one streamed request: the server hands them to
+    the engine together (one by one, on a busy client, a fast engine may finish each before
+    the next arrives). ``on_token(index, finished)`` is called for every chunk of a prompt's
+    tokens; returns each prompt's output token ids, in prompt order."""
+    body = {
+        "model": srv.model,
+        "prompt": prompts,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    out: List[List[int]] = [[] for _ in prompts]
+    with urllib.request.urlopen(_post(srv.port, body, timeout), timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[5:]).get("choices", ()):
+                i = int(c["index"])
+                out[i].extend(c.get("token_ids") or ())
+                on_token(i, c.get("finish_reason") is not None)
+    return out
+
+
 def stream(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float = 300) -> Tuple[float, float, int]:
     """Streams a greedy completion: (time to first token, total time, output tokens)."""
     body = {

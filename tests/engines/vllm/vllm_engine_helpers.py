@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 # Server helpers shared with the main job and the benchmark (re-exported here).
-from kvcached.testing.vllm_server import Server, complete, metrics, start_server, wait_healthy  # noqa: F401
+from kvcached.testing.vllm_server import (  # noqa: F401
+    Server,
+    complete,
+    metrics,
+    start_server,
+    stream_batch,
+    wait_healthy,
+)
 
 PAGE = 128 << 10
 LAYERS = 2
