@@ -17,6 +17,10 @@ come on top when they come (``sglang_family_driver.py``; one process per run).
 * ``llama-fp8``: the tiny Llama with ``--kv-cache-dtype fp8_e4m3`` (1-byte KV cells;
   SGLang stores them as uint8).
 
+* ``lfm2``: LFM2, short-convolution layers beside attention layers: a request's conv
+  state lives in SGLang's ``MambaPool`` (kvcached's elastic state pool, its own record);
+  pass 2 continues each request (a second turn) from the state the radix cache kept. Its
+  conv kernel (Triton in SGLang) runs in torch here (``cpu_torch``), native and kvcached alike.
 * ``qwen3-next`` (start-up only): a Mamba / gated-delta-net hybrid. The real engine
   builds its pools with kvcached (the state pool and the attention pool elastic, each
   with its record) and a state slot larger than the kvcached page stops start-up in one
@@ -47,7 +51,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "sglang_family_driver.py")
 STUBS = os.path.join(os.path.dirname(HERE), "sglang_stubs")
-CPU_TORCH = os.path.join(HERE, "cpu_torch")  # Qwen3-Next's layers on torch's CUDA build without a GPU
+CPU_TORCH = os.path.join(HERE, "cpu_torch")  # hybrid-state models on a CPU (see its sitecustomize)
 KV_PAGE = 4096  # small kvcached pages: a request spans many of them
 # The tiny Qwen3-Next's state slot (2 GDN layers, ~137 KiB) fits a 256 KiB page; SGLang's
 # no_buffer radix strategy (the one without per-chunk state snapshots) runs without overlap.
@@ -59,9 +63,9 @@ HYBRID_PAGE = 256 * 1024
 # CPU) runs without overlap scheduling; a bounded state pool (SGLang sizes it from the budget
 # otherwise: millions of 1 KiB LFM2 slots, too many mappings for the host backend's 4 KiB
 # pages); the 8 requests reach the scheduler in one message (tokenized as a batch). Arriving
-# one by one, the first prefill takes 1, 5 or 7 of them by timing, the retractions fall on
-# other steps, and a retracted request recomputed by a prefill rounds differently from the
-# decode: one of 8 LFM2 requests then differs after ~235 tokens, with or without kvcached.
+# one by one, they are admitted in timing-dependent groups, the retractions fall on other
+# steps, and a retracted request recomputed by a prefill rounds differently from the
+# decode: one of 8 LFM2 requests then differed after 235 tokens (docs/notes/sglang_seams.md).
 HYBRID_ENGINE = dict(
     mamba_radix_cache_strategy="no_buffer",
     disable_overlap_schedule=True,
