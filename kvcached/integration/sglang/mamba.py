@@ -29,7 +29,7 @@ before a request uses it (``mamba_needs_clear``), so fresh pages need no zeroing
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from sglang.srt.mem_cache import memory_pool as _memory_pool
@@ -38,8 +38,8 @@ from sglang.srt.mem_cache.memory_pool import MambaPool
 
 from kvcached import _C, config, vmm_ops
 from kvcached.compat.sglang_mamba import StateLayout, smallest_divisor_at_least
-from kvcached.integration import kv_views, runtime
-from kvcached.integration.sglang import conflicts, interfaces
+from kvcached.integration import kv_views
+from kvcached.integration.sglang import conflicts
 from kvcached.integration.sglang import pool as _pool
 
 logger = logging.getLogger("kvcached.integration.sglang")
@@ -103,9 +103,7 @@ class ElasticMambaPool(MambaPool):
 
 def create_state_group(pool: MambaPool, cache_params: Any, num_layers: int) -> Any:
     """The group, manager and record of a Mamba pool; returns (group, conv views, temporal view)."""
-    device = _pool._device_str(pool.device)
-    tp_rank, tp_size, pp_rank = _pool._parallel_ranks()
-    interfaces.init_kvcached(tp_rank, tp_size, is_worker=True, device=device, pp_rank=pp_rank)
+    device, ranks = _pool.start_group(pool.device)
     page = int(_C.config()["page_size"])
     lay = StateLayout(cache_params)
     raw_entry = num_layers * lay.cell
@@ -117,51 +115,40 @@ def create_state_group(pool: MambaPool, cache_params: Any, num_layers: int) -> A
         )
     entry = smallest_divisor_at_least(page, raw_entry)
     num_slots = pool.size + 1  # slot 0: SGLang's dummy slot, the manager's null block (always mapped)
-    with _pool._lock:
-        # SGLang builds the state pool first; group 0 (the record named KVCACHED_IPC_NAME)
-        # stays the attention KV's, the state's record is <name>_g<group>.
-        gid = 1
-        while _C.kv_tensors_created(gid):
-            gid += 1
+    views: List[Any] = []
+
+    def make_views(gid: int) -> Tuple[List[Any], List[Any]]:
         kv_views.unit_views(num_slots, entry, 1, torch.int8, device, 1, gid)
         raw = vmm_ops.get_raw_kv_tensors(gid)[0]
-        conv, temporal = lay.views(raw, (num_layers, num_slots), lay.cell, entry)
-        mgr = runtime.make_manager(
-            num_slots,
-            1,
-            entry,
-            1,
-            True,
-            1,
-            gid,
-            1,
-            defer_physical_release=True,
-            own_segment=True,
-            pool_name=_pool._record_base_name(tp_rank, pp_rank),
-        )
-        grp = _pool.ElasticGroup(
-            group_id=gid,
-            ordinal=len(_pool._groups),
-            manager=mgr,
-            page_tokens=1,
-            row_bytes=entry,
-            buffer_rows=num_slots,
-            k_views=[raw],
-            v_views=[],
-            pool_class=type(pool).__name__,
-        )
-        _pool._groups.append(grp)
-        _pool.instance().add_pool(grp)
+        views.extend(lay.views(raw, (num_layers, num_slots), lay.cell, entry))
+        return [raw], []
+
+    # SGLang builds the state pool first; group 0 (the record named KVCACHED_IPC_NAME)
+    # stays the attention KV's, the state's record is <name>_g<group>.
+    grp = _pool.add_group(
+        type(pool).__name__,
+        ranks,
+        first_gid=1,
+        make_views=make_views,
+        num_blocks=num_slots,
+        block_tokens=1,
+        row_bytes=entry,
+        num_layers=1,
+        kv=1,
+        buffer_rows=num_slots,
+    )
+    mgr = grp.manager
     logger.info(
         "kvcached: elastic %s %r: %d slots of %d bytes (%d layers), %.1f MiB virtual, record %s",
         grp.pool_class,
-        gid,
+        grp.group_id,
         pool.size,
         entry,
         num_layers,
         mgr.geometry.num_pages * mgr.bytes_per_page / (1 << 20),
         grp.record_name,
     )
+    conv, temporal = views
     return grp, conv, temporal
 
 

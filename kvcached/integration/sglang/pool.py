@@ -211,6 +211,67 @@ def _record_base_name(tp_rank: int, pp_rank: int) -> str:
     return base
 
 
+def start_group(device: Any) -> Tuple[str, Tuple[int, int, int]]:
+    """kvcached's data plane for this scheduler process, on the pool's device: (device, ranks)."""
+    dev = _device_str(device)
+    tp_rank, tp_size, pp_rank = ranks = _parallel_ranks()
+    interfaces.init_kvcached(tp_rank, tp_size, is_worker=True, device=dev, pp_rank=pp_rank)
+    return dev, ranks
+
+
+def add_group(
+    pool_class: str,
+    ranks: Tuple[int, int, int],
+    *,
+    first_gid: int,
+    make_views: Callable[[int], Tuple[List[Any], List[Any]]],
+    num_blocks: int,
+    block_tokens: int,
+    row_bytes: int,
+    num_layers: int,
+    kv: int,
+    buffer_rows: int,
+) -> ElasticGroup:
+    """Under the pools' lock: the first free group id from ``first_gid``, its tensors
+    (``make_views(gid)`` -> K views, V views), the manager with its own record (block 0
+    the null block), and the group in the process's ``ElasticInstance``."""
+    tp_rank, _, pp_rank = ranks
+    with _lock:
+        gid = first_gid
+        while _C.kv_tensors_created(gid):
+            gid += 1
+        k_views, v_views = make_views(gid)
+        # own_segment: the manager creates the pool's record (kvctl list/limit)
+        # and asks the device budget before mapping fresh pages.
+        mgr = runtime.make_manager(
+            num_blocks,
+            block_tokens,
+            row_bytes,
+            num_layers,
+            True,
+            kv,
+            gid,
+            1,
+            defer_physical_release=True,
+            own_segment=True,
+            pool_name=_record_base_name(tp_rank, pp_rank),
+        )
+        grp = ElasticGroup(
+            group_id=gid,
+            ordinal=len(_groups),
+            manager=mgr,
+            page_tokens=block_tokens,
+            row_bytes=row_bytes,
+            buffer_rows=buffer_rows,
+            k_views=k_views,
+            v_views=v_views,
+            pool_class=pool_class,
+        )
+        _groups.append(grp)
+        instance().add_pool(grp)
+    return grp
+
+
 def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> ElasticGroup:
     """Creates the FTensors, the manager and the record of one pool.
 
@@ -219,9 +280,7 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
     in the group.
     """
     conflicts.check_pool(pool)
-    device = _device_str(pool.device)
-    tp_rank, tp_size, pp_rank = _parallel_ranks()
-    interfaces.init_kvcached(tp_rank, tp_size, is_worker=True, device=device, pp_rank=pp_rank)
+    device, ranks = start_group(pool.device)
     cfg = _C.config()
     if cfg["contiguous_layout"]:
         raise conflicts.refuse(
@@ -234,11 +293,8 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
     itemsize = pool.store_dtype.itemsize
     row_bytes = heads * dim * itemsize
     t_rows = buffer_rows(rows, ps, row_bytes, int(cfg["page_size"]))
-    with _lock:
-        gid = 0
-        while _C.kv_tensors_created(gid):
-            gid += 1
-        ordinal = len(_groups)
+
+    def views(gid: int) -> Tuple[List[Any], List[Any]]:
         out = interfaces.alloc_kv_cache(
             (t_rows, heads, dim),
             pool.store_dtype,
@@ -250,39 +306,23 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
             gid,
         )
         k_full, v_full = out if kv == 2 else (out, [])
-        # A block is one SGLang page; pages 1..size//ps are handed out, page 0
-        # is the padding slot (the null block). Blocks past that exist only as
-        # address padding.
-        num_blocks = size // ps + 1
-        # own_segment: the manager creates the pool's record (kvctl list/limit)
-        # and asks the device budget before mapping fresh pages.
-        mgr = runtime.make_manager(
-            num_blocks,
-            ps,
-            row_bytes,
-            int(pool.layer_num),
-            True,
-            kv,
-            gid,
-            1,
-            defer_physical_release=True,
-            own_segment=True,
-            pool_name=_record_base_name(tp_rank, pp_rank),
-        )
-        grp = ElasticGroup(
-            group_id=gid,
-            ordinal=ordinal,
-            manager=mgr,
-            page_tokens=ps,
-            row_bytes=row_bytes,
-            buffer_rows=t_rows,
-            k_views=[t[:rows] for t in k_full],
-            v_views=[t[:rows] for t in v_full],
-            pool_class=type(pool).__name__,
-        )
-        _groups.append(grp)
-        instance().add_pool(grp)
-        name = grp.record_name
+        return [t[:rows] for t in k_full], [t[:rows] for t in v_full]
+
+    # A block is one SGLang page; pages 1..size//ps are handed out, page 0 is the
+    # padding slot (the null block). Blocks past that exist only as address padding.
+    grp = add_group(
+        type(pool).__name__,
+        ranks,
+        first_gid=0,
+        make_views=views,
+        num_blocks=size // ps + 1,
+        block_tokens=ps,
+        row_bytes=row_bytes,
+        num_layers=int(pool.layer_num),
+        kv=kv,
+        buffer_rows=t_rows,
+    )
+    mgr, name, gid = grp.manager, grp.record_name, grp.group_id
     virt = mgr.geometry.num_pages * mgr.bytes_per_page
     patches = manager_of("sglang")
     via = patches.activated_via if patches is not None else None
