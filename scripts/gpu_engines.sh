@@ -28,6 +28,17 @@
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back
 #   router       three models behind `kvcached serve`: sleep when idle, wake on request
+# SGLang (0.5.17, its own site directory: PYTHONPATH=/tmp/sc-sglang, scripts/gpu_device_install.sh),
+# `python -m sglang.launch_server` unchanged with its defaults (CUDA graphs, overlap scheduler,
+# radix cache, FA3 on the H200):
+#   sglang-correctness      the 8B model: native vs kvcached vs native-2, page size 1
+#   sglang-correctness-p16  the same at page size 16
+#   sglang-correctness-limit
+#                deterministic inference, kvctl limit 6G (a third of the load's need): retraction
+#                and radix eviction all the time; the control is native with a pool that small
+#   sglang-limits           kvctl limit lowered while decoding, raised again
+#   sglang-overhead         sglang.bench_serving native vs kvcached, paired rounds
+#   sglang-mla              the MLA model: native vs kvcached vs native-2
 # Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
 # Logs and JSON go to a work folder (KVCACHED_PROOF_WORK, default /tmp/kvcached-proof); each
 # step's table to $OUT/<step>.txt and its files to $OUT/<step>.tgz (a device call brings back
@@ -45,6 +56,7 @@ small="$WORK/models/llama3-1b"
 mla="$WORK/models/deepseek-v2-mla"
 hybrid="$WORK/models/qwen3-next"
 proof=scripts/gpu_proof
+sglang_path=${KVCACHED_SGLANG_PYTHONPATH:-/tmp/sc-sglang}
 gdn='{"additional_config": {"gdn_prefill_backend": "triton"}}'
 rc=0
 # run STEP SCRIPT ARGS...: the step's script with its work folder, its table to $OUT/STEP.txt.
@@ -54,6 +66,8 @@ run() {
   python3 "$script" --out "$WORK/$step" "$@" 2>&1 | tee "$OUT/$step.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 }
+# run_sglang STEP SCRIPT ARGS...: the same with SGLang's site directory on the path.
+run_sglang() { PYTHONPATH=$sglang_path run "$@"; }
 for step in "${steps[@]}"; do
   echo "== $(date -Is) $step" | tee -a "$OUT/steps.txt"
   t0=$(date +%s)
@@ -97,7 +111,22 @@ for step in "${steps[@]}"; do
         --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 "${variants[@]}" ;;
     three) run "$step" $proof/three_models.py --model "$small" --plot "$OUT/gpu_three_models.png" ;;
     router) run "$step" $proof/router_three.py --model "$small" --plot "$OUT/gpu_router_three.png" ;;
-    *) echo "unknown step $step (model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-limit overhead three router)" >&2
+    sglang-correctness) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
+      --only native,kvcached,native-2 ;;
+    sglang-correctness-p16) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
+      --page-size 16 --only native,kvcached,native-2 ;;
+    sglang-correctness-limit) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
+      --limit 6G --only native-det,kvcached-limit,native-small ;;
+    sglang-limits) run_sglang "$step" $proof/limits.py --engine sglang --model "$big" ;;
+    # KVCACHED_PROOF_VARIANTS here: none unless set (e.g. premapped:KVCACHED_MIN_RESERVED_PAGES=64,...).
+    sglang-overhead)
+      variants=()
+      for v in ${KVCACHED_PROOF_VARIANTS-}; do variants+=(--variant "$v"); done
+      run_sglang "$step" $proof/overhead.py --engine sglang --model "$big" --kv 24G --inf-requests 256 \
+        --rates "${KVCACHED_PROOF_RATES:-8,32,inf}" --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 "${variants[@]}" ;;
+    sglang-mla) run_sglang "$step" $proof/sglang_correctness.py --model "$mla" --prompts 200 --kv 2G \
+      --only native,kvcached,native-2 ;;
+    *) echo "unknown step $step (model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-limit overhead three router sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

@@ -1,29 +1,48 @@
 #!/usr/bin/env bash
-# Here (a machine with PyPI): download vLLM 0.26.0 and the wheels the H200 image lacks
-# (scripts/gpu_wheels_vllm_0.26.txt) for Python 3.12 x86_64, and pack them into folders
-# s1..sN of at most 58 MiB each (a device call carries at most 64 MiB).
-# Usage: bash scripts/gpu_fetch_wheels.sh [DEST]   (default .gpuw, git-ignored)
-# Then, on the device, one call per slice (back to back: the machine goes back when idle):
-#   mkdir -p /tmp/gw && cp .gpuw/sK/* /tmp/gw/          (carry .gpuw/sK)
-# and in the call that runs the work: bash scripts/gpu_device_install.sh
+# Here (a machine with PyPI): make the engine sets for the lent H200 (Python 3.12 x86_64, torch
+# 2.11 in the image). A set is the wheels the image lacks (scripts/gpu_wheels_<set>_<version>.txt:
+# vLLM 0.26 or SGLang 0.5.17, which pin the image's torch), installed here into a folder as pip
+# would install them there, packed as one tar.xz (about half the size of the wheels: SGLang's
+# sglang-kernel is 383 MB of wheel, 150 MB of xz) and cut into slices of at most 58 MiB (a
+# device call carries at most 64 MiB with the tree).
+# Usage: bash scripts/gpu_fetch_wheels.sh [SET ...]   (SET: vllm, sglang; default both)
+#   GPUW=DIR  where the slices go (default .gpuw, git-ignored): DIR/<set>/s1 ... sN
+# A set whose list did not change since it was packed is kept (the pack takes minutes).
+# Then, on the device, one call per slice, back to back (the machine goes back when idle):
+#   mkdir -p /tmp/gw/SET && cp .gpuw/SET/sK/* /tmp/gw/SET/          (carry .gpuw/SET/sK)
+# and in the call that runs the work: source scripts/gpu_device_install.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-list="$PWD/scripts/gpu_wheels_vllm_0.26.txt"
-dest=${1:-.gpuw}
-mkdir -p "$dest/dl"
-plat=""
+dest=${GPUW:-.gpuw}
+sets=("$@")
+[ ${#sets[@]} -eq 0 ] && sets=(vllm sglang)
+plat="--python-version 3.12 --implementation cp --only-binary=:all:"
 for p in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux_2_31 manylinux_2_34 \
          manylinux_2_35 manylinux_2_24 manylinux_2_5 manylinux1; do plat="$plat --platform ${p}_x86_64"; done
-# shellcheck disable=SC2046,SC2086
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
-  -d "$dest/dl" $(grep -v '^#' "$list")
-cd "$dest"
-rm -rf s[0-9]* && big=$(ls dl/vllm-0.26.0-*.whl)
-sha256sum "$big" | cut -d' ' -f1 > vllm.sha256
-split -b 58M -d -a 1 "$big" vllm.part.
-n=0
-for part in vllm.part.*; do n=$((n+1)); mkdir -p "s$n"; mv "$part" "s$n/"; done
-n=$((n+1)); mkdir -p "s$n"; mv vllm.sha256 "s$n/"
-find dl -name '*.whl' ! -name 'vllm-0.26.0-*' -exec cp {} "s$n/" \;
-du -sh s*
-echo "slices s1..s$n: carry one per device call, each copied to /tmp/gw there (scripts/gpu_device_install.sh)"
+mkdir -p "$dest/dl"
+for set in "${sets[@]}"; do
+  list=$(ls scripts/gpu_wheels_"$set"_*.txt 2>/dev/null | head -1)
+  [ -n "$list" ] || { echo "no wheel list scripts/gpu_wheels_${set}_*.txt (sets: vllm, sglang)" >&2; exit 2; }
+  stamp=$(sha1sum "$list" | cut -c1-16)
+  if [ "$(cat "$dest/$set/stamp" 2>/dev/null)" = "$stamp" ]; then
+    echo "$set: packed already for $list"; du -sh "$dest/$set"/s*; continue
+  fi
+  reqs=$(grep -v '^#' "$list" | grep .)
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps $plat -d "$dest/dl" $reqs
+  site=$(mktemp -d)
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-deps --no-index --no-compile --find-links "$dest/dl" $plat --target "$site" $reqs
+  rm -rf "$site/bin"  # console scripts name this machine's python; the proof runs python -m
+  rm -rf "${dest:?}/$set" && mkdir -p "$dest/$set"
+  echo "$set: packing $(du -sh "$site" | cut -f1) (xz, a few minutes)"
+  tar -C "$site" -cf - . | xz -T0 -6 > "$dest/$set/site.tar.xz"
+  rm -rf "$site"
+  (cd "$dest/$set" && sha256sum site.tar.xz | cut -d' ' -f1 > sha256 && split -b 58M -d -a 2 site.tar.xz part. && rm site.tar.xz)
+  n=0
+  for part in "$dest/$set"/part.*; do n=$((n+1)); mkdir -p "$dest/$set/s$n"; mv "$part" "$dest/$set/s$n/"; done
+  mv "$dest/$set/sha256" "$dest/$set/s$n/"
+  echo "$stamp" > "$dest/$set/stamp"
+  du -sh "$dest/$set"/s*
+  echo "$set: slices s1..s$n; carry one per device call: mkdir -p /tmp/gw/$set && cp .gpuw/$set/sK/* /tmp/gw/$set/"
+done

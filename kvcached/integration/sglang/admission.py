@@ -18,6 +18,9 @@ those reads:
   asks the allocator's ``check_decode_capacity``, as 0.5.19 does, so a decode
   step that does not fit retracts requests instead of crashing in ``alloc``.
 
+And on every release, ``patch_retract_to_limit``: while running requests hold
+pages over a lowered limit, SGLang's own retract loop gives them back.
+
 When requests wait, ``tokens_wanted`` says how much the load needs, for the want
 published to idle peers sharing the device budget (``scheduler_hooks.note_waiting``).
 """
@@ -87,6 +90,27 @@ def patch_check_decode_mem(mod: ModuleType) -> None:
                 return orig(self, selected_indices)
             num_tokens = self.new_tokens_required_next_decode(selected_indices)
             return alloc.check_decode_capacity(num_tokens=num_tokens, tree_cache=self.tree_cache)
+
+        return check_decode_mem
+
+    wrap_method(mod.ScheduleBatch, "check_decode_mem", make)
+
+
+def patch_retract_to_limit(mod: ModuleType) -> None:
+    """Every release: while the allocator is ``shrinking()`` (live pages over a lowered limit),
+    the decode check fails for any selection of more than one request. SGLang's retract loop
+    (``retract_decode``: least progressed first, back to the waiting queue, their KV freed)
+    then retracts until the check passes, i.e. until the pages fit; its last request keeps
+    running, since SGLang aborts one that fails the check alone."""
+    from kvcached.integration.sglang.allocator import _ElasticAllocatorMixin
+
+    def make(orig: Callable) -> Callable:
+        def check_decode_mem(self: Any, selected_indices: Any = None) -> bool:
+            alloc = self.token_to_kv_pool_allocator
+            if isinstance(alloc, _ElasticAllocatorMixin) and alloc.shrinking():
+                if (len(self.reqs) if selected_indices is None else len(selected_indices)) > 1:
+                    return False
+            return orig(self, selected_indices)
 
         return check_decode_mem
 

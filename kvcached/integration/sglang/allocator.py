@@ -33,6 +33,7 @@ other pools.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, List, Optional
 
 import torch
@@ -46,6 +47,7 @@ from kvcached.integration.sglang.eviction import evict_until
 from kvcached.integration.sglang.pool import ElasticGroup, group_of, is_elastic_pool
 
 _INT64 = torch.int64
+logger = logging.getLogger("kvcached.integration.sglang")
 
 
 def _kvcache_arg(args: tuple, kwargs: dict, index: int) -> Any:
@@ -102,6 +104,7 @@ class _ElasticAllocatorMixin:
         # The scheduler's prefix cache (scheduler_hooks.after_init): evicted from when an
         # allocation comes up short.
         self.kvcached_tree_cache: Any = None
+        self._kvcached_shrinking = False  # over a lowered limit (see shrinking), for one log line per episode
 
     # -- counts -------------------------------------------------------------
     def available_size(self) -> int:
@@ -110,8 +113,45 @@ class _ElasticAllocatorMixin:
         return (self._mgr.logical_free_size() + self._holes) * self.page_size
 
     def physical_available_size(self) -> int:
-        """Tokens allocatable right now (mapped free slots + mappable pages under the limit)."""
-        return self._mgr.available_size() * self.page_size
+        """Tokens allocatable right now (mapped free slots + mappable pages under the limit);
+        0 while ``shrinking()``: nothing is admitted while the pool must give pages back."""
+        if self.shrinking():
+            return 0
+        return self._mgr.available_size() * self.page_size + self._local_slots()
+
+    def _local_slots(self) -> int:
+        """Slots this allocator keeps itself (the token allocator's spare list)."""
+        return 0
+
+    def _drain_local(self) -> int:
+        """Hands the slots this allocator keeps back to the manager; returns how many."""
+        return 0
+
+    # -- a lowered limit ------------------------------------------------------
+    def shrinking(self) -> bool:
+        """Pages holding live blocks exceed a lowered limit (``kvctl limit``) although the
+        scheduler hooks evicted what the prefix cache could give: running requests hold
+        them. Until they fit nothing is handed out to new work and decode retracts requests
+        (``admission.patch_retract_to_limit``), as vLLM preempts under kvcached; waiting for
+        the requests to finish would keep the pages for their whole length (seconds).
+        Spare slots go back to the manager first: they may be all that keeps a page live.
+        A limit under one page counts as one: the padding slot's page stays mapped."""
+        g = self.kvcached_group
+        if g.pages_over_limit() <= 0:
+            self._kvcached_shrinking = False
+            return False
+        self._drain_local()
+        # The page of block 0 (SGLang's padding slot) never empties: a limit under one page
+        # cannot be met by retracting, and must not stop admission for good.
+        over = g.live_pages() - max(1, g.limit_bytes() // g.bytes_per_page)
+        if over > 0 and not self._kvcached_shrinking:
+            logger.info(
+                "kvcached: %s holds %d live pages over its limit: no admission, requests retracted until they fit",
+                g.name,
+                over,
+            )
+        self._kvcached_shrinking = over > 0
+        return over > 0
 
     def withheld_tokens(self) -> int:
         """Free in SGLang's logical count but not allocatable now (the limit or the device budget)."""
@@ -250,8 +290,11 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         # Spare slots go first (alloc); nothing drains them between a check and its alloc.
         return num_tokens - self._spare.numel()
 
-    def physical_available_size(self) -> int:
-        return super().physical_available_size() + self._spare.numel()
+    def _local_slots(self) -> int:
+        return self._spare.numel()
+
+    def _drain_local(self) -> int:
+        return self.drain_spare()
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         if need_size <= 0:

@@ -15,6 +15,7 @@ table with file:line evidence is docs/notes/sglang_seams.md.
   Mamba state              MambaPool name  mamba_pool_cls  ...             ...      ...
   prefill admission        PrefillAdder    PrefillAdder    PrefillAdder    allocator.create_prefill_budget
   decode admission         check_decode_mem ...            allocator.check_decode_capacity ...
+  retract to a limit       check_decode_mem (all)
   scheduler events         Scheduler.__init__/run_batch/process_batch_result/on_idle/flush_cache (all)
 
 A patch's ``apply(module)`` runs once per module object (``patch_base``
@@ -288,6 +289,12 @@ def _check_decode_mem(mod: ModuleType) -> None:
     patch_check_decode_mem(mod)
 
 
+def _retract_to_limit(mod: ModuleType) -> None:
+    from kvcached.integration.sglang.admission import patch_retract_to_limit
+
+    patch_retract_to_limit(mod)
+
+
 # --------------------------------------------------------------------- scheduler
 def _scheduler(mod: ModuleType) -> None:
     from kvcached.integration.sglang import scheduler_hooks as sh
@@ -376,6 +383,8 @@ def all_patches() -> List[BasePatch]:
           "prefill admission by what can be mapped now (PrefillAdder reads available_size)"),
         p("sglang-check-decode-mem", "sglang.srt.managers.schedule_batch", DECODE_MEM, _check_decode_mem,
           "decode admission by what can be mapped now (retract instead of a failed alloc)"),
+        p("sglang-retract-to-limit", "sglang.srt.managers.schedule_batch", ALL, _retract_to_limit,
+          "a lowered limit: retract running requests until their pages fit (check_decode_mem)"),
         p("sglang-scheduler", "sglang.srt.managers.scheduler", ALL, _scheduler,
           "deferred physical release, prefix-cache bound, idle give-back, kvcached_report"),
     ]  # fmt: skip

@@ -436,6 +436,56 @@ def test_a_limit_lowered_between_the_decode_check_and_its_alloc_cannot_fail_the_
 
 
 @pytest.mark.parametrize("ps", [1, 16])
+def test_running_requests_over_a_lowered_limit_are_retracted_until_their_pages_fit(ps: int) -> None:
+    """H200 (SGLang 0.5.17, docs/GPU.md 2026-12-05): a limit lowered under what running
+    requests held took 7 s to be met: SGLang kept decoding into free slots of pages over it
+    and the pages went only as the requests finished. Now, while live pages exceed the
+    limit, nothing is admitted (physical capacity 0; the logical count is unchanged for the
+    idle leak check) and the decode check fails for a selection of more than one request,
+    so SGLang's retract loop frees requests until the pages fit; a lone request goes to
+    SGLang's own check (it aborts one that fails alone). Freeing the requests' slots, as a
+    retraction does (page size 1: into the spare list, drained here), ends the episode."""
+    from types import SimpleNamespace
+
+    from kvcached.control import set_instance_memory_limit
+    from kvcached.integration.sglang.admission import patch_retract_to_limit
+
+    _, ours = _pools(2032, ps)
+    a = _allocator(ours, 2032, ps, True)
+    grp, m = ours.kvcached_group, ours.kvcached_group.manager
+    tpp = m.page_size // m.block_mem_size * ps  # tokens per kvcached page
+    reqs = [a.alloc(tpp) for _ in range(3)]  # three running requests, a kvcached page each
+    logical = a.available_size()
+    assert not a.shrinking() and a.physical_available_size() > 0
+    mapped = m.stats()["mapped_pages"]
+    r = set_instance_memory_limit((mapped - 2) * m.bytes_per_page, name=grp.record_name)
+    assert r.status == "deferred", r
+    time.sleep(0.05)  # the manager re-reads its cap at most every few ms
+    assert a.shrinking()
+    assert a.physical_available_size() == 0 and a.withheld_tokens() == a.available_size() == logical
+
+    # SGLang's check_decode_mem, patched as in the engine (a stand-in keeps the original's answer apart).
+    mod = SimpleNamespace(ScheduleBatch=type("ScheduleBatch", (), {"check_decode_mem": lambda self, s=None: "sglang"}))
+    patch_retract_to_limit(mod)
+    batch = SimpleNamespace(token_to_kv_pool_allocator=a, reqs=[object()] * 3)
+    check = mod.ScheduleBatch.check_decode_mem
+    assert check(batch) is False and check(batch, [0, 1]) is False  # retract more
+    assert check(batch, [0]) == "sglang"  # the last one: SGLang decides
+
+    a.free(reqs.pop())  # retract_decode releases the least progressed requests
+    a.free(reqs.pop())
+    assert not a.shrinking() and check(batch, [0, 1, 2]) == "sglang"
+    assert a.physical_available_size() > 0  # admission resumes under the limit
+    a.free(reqs.pop())
+    # A limit under one page: the padding slot's page never empties, so retracting cannot
+    # meet it and must not stop admission for good (a request then runs on free slots there).
+    assert set_instance_memory_limit(1, name=grp.record_name).status in ("applied", "deferred")
+    time.sleep(0.05)
+    assert not a.shrinking()
+    assert set_instance_memory_limit(grp.limits.record().total, name=grp.record_name).status == "applied"
+
+
+@pytest.mark.parametrize("ps", [1, 16])
 def test_a_limit_lowered_between_prefill_admission_and_its_alloc_cannot_fail_the_alloc(ps: int) -> None:
     """The decode check's race at prefill admission: SGLang's own PrefillAdder admits a
     prefill by physical capacity (its budget from 0.5.21, the patched adder before), then
