@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -57,6 +58,32 @@ def generate(
     if isinstance(out, dict):
         out = [out]
     return [list(o["output_ids"]) for o in out], [int(o["meta_info"].get("cached_tokens", 0)) for o in out]
+
+
+def stream(srv: Server, prompt_ids: Sequence[int], max_tokens: int, timeout: float = 300) -> Tuple[float, float, int]:
+    """Streams one greedy completion through ``/generate``: (time to first token, total
+    time, output tokens), as ``vllm_server.stream`` measures a vLLM server."""
+    body = {
+        "input_ids": list(prompt_ids),
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_tokens), "ignore_eos": True},
+        "stream": True,
+    }
+    url = f"http://127.0.0.1:{srv.port}/generate"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = None
+    n = 0
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            n = int(chunk.get("meta_info", {}).get("completion_tokens", n))
+            if n and ttft is None:
+                ttft = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return (ttft if ttft is not None else total), total, n
 
 
 def post(srv: Server, path: str, body: Dict[str, Any], timeout: float = 60) -> Any:

@@ -65,11 +65,13 @@ def start_server(
     budget_fraction: float = 0.3,
     max_model_len: Optional[int] = None,
     extra_args: Sequence[str] = (),
+    python: str = sys.executable,
     **env_extra: object,
 ) -> vs.Server:
     """An OpenAI server with ``kv_bytes`` of KV capacity (explicit, so servers
     started side by side never size their KV from each other's free memory; with
-    kvcached it is virtual and pages are mapped on demand)."""
+    kvcached it is virtual and pages are mapped on demand). ``python``: the
+    interpreter that has vLLM (another engine's proof may drive it)."""
     env = engine_env(kvcached, name, cpu, budget_fraction, **env_extra)
     args = [*base_args(cpu, max_model_len or (512 if cpu else 4096)), "--kv-cache-memory-bytes", str(kv_bytes)]
     if not cpu:
@@ -77,7 +79,7 @@ def start_server(
         # low, so several servers fit on one device.
         args += ["--gpu-memory-utilization", "0.2"]
     # Absolute: the server runs in log_dir.
-    return vs.start_server(os.path.abspath(model), name, env, log_dir, *extra_args, base_args=args)
+    return vs.start_server(os.path.abspath(model), name, env, log_dir, *extra_args, base_args=args, python=python)
 
 
 def kv_token_bytes(model: str, dtype_bytes: int) -> int:
@@ -104,15 +106,17 @@ def start_sglang_server(
     budget_fraction: float = 0.3,
     max_model_len: Optional[int] = None,
     extra_args: Sequence[str] = (),
+    python: str = sys.executable,
     **env_extra: object,
 ) -> vs.Server:
     """``python -m sglang.launch_server`` unchanged (SGLang's defaults on the device: CUDA
     graphs, overlap scheduler, radix cache, its attention backend) with ``kv_bytes`` of KV
     capacity (``--max-total-tokens``, so servers side by side never size their pools from
-    each other's free memory) and metrics on; kvcached through autopatch, as a user runs it."""
+    each other's free memory) and metrics on; kvcached through autopatch, as a user runs it.
+    ``python``: the interpreter that has SGLang."""
     if cpu:
-        path = (SGLANG_STUBS, os.environ.get("PYTHONPATH"))
-        env_extra.setdefault("PYTHONPATH", os.pathsep.join(p for p in path if p))
+        path = (SGLANG_STUBS, str(env_extra.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""))
+        env_extra["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
     if kvcached:
         env_extra.setdefault("KVCACHED_AUTOPATCH", "1")
     env = engine_env(kvcached, name, cpu, budget_fraction, **env_extra)
@@ -124,7 +128,8 @@ def start_sglang_server(
         args += ["--sampling-backend", "pytorch", "--disable-cuda-graph"]
     else:
         args += ["--dtype", "bfloat16"]
-    return ss.start_server(os.path.abspath(model), name, env, os.path.abspath(log_dir), *args, *extra_args)
+    log_dir = os.path.abspath(log_dir)
+    return ss.start_server(os.path.abspath(model), name, env, log_dir, *args, *extra_args, python=python)
 
 
 def wait_all(servers: Sequence[vs.Server], timeout: float) -> float:

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log, percentile, start_server, wait_all, write_json  # noqa: E402
@@ -30,9 +30,14 @@ from kvcached.limits.units import format_size, parse_size  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler  # noqa: E402
 
+Stream = Callable[..., Tuple[float, float, int]]
 
-def burst(srv: vs.Server, n: int, plen: int, gen: int, seed: int) -> Tuple[List[float], int]:
-    """``n`` streamed requests at once; (TTFTs, failures)."""
+
+def burst(
+    srv: vs.Server, n: int, plen: int, gen: int, seed: int, stream: Stream = vs.stream
+) -> Tuple[List[float], int]:
+    """``n`` streamed requests at once (``stream``: the engine's client, vLLM's by default);
+    (TTFTs, failures)."""
     prompts = vs.token_prompts(n, plen, seed)
     ttfts: List[float] = []
     failed = 0
@@ -40,7 +45,7 @@ def burst(srv: vs.Server, n: int, plen: int, gen: int, seed: int) -> Tuple[List[
     def one(p: List[int]) -> None:
         nonlocal failed
         try:
-            ttft, _total, got = vs.stream(srv, p, gen, timeout=900)
+            ttft, _total, got = stream(srv, p, gen, timeout=900)
             if got < gen:
                 failed += 1
             ttfts.append(ttft)
@@ -52,24 +57,34 @@ def burst(srv: vs.Server, n: int, plen: int, gen: int, seed: int) -> Tuple[List[
     return ttfts, failed
 
 
+def give_back_time(rec: RecordSampler, name: str, t0: float, t1: float) -> Optional[float]:
+    """Seconds from instance ``name``'s first want in [t0, t1] to the first sample where an
+    idle peer maps less than it did then; None when it wanted nothing or no peer gave."""
+    want_at = rec.first_time(name, lambda s: s.wanted > 0, after=t0)
+    if want_at is None:
+        return None
+    peers = [n for n in rec.series if n != name]
+    held = {p: next((s.mapped for s in rec.series[p] if s.t >= want_at), 0) for p in peers}
+    freed = [rec.first_time(p, lambda s, p=p: s.mapped < held[p], after=want_at) for p in peers if held[p] > 0]
+    freed = [t for t in freed if t is not None and t <= t1]
+    return min(freed) - want_at if freed else None
+
+
 def give_back_times(rec: RecordSampler, phases: List[Tuple[str, float, float]]) -> List[float]:
-    """For each phase after the first: seconds from the loaded instance's first
-    want to the first sample where an idle peer maps less than it did then."""
-    out = []
-    for name, t0, t1 in phases[1:]:
-        want_at = rec.first_time(name, lambda s: s.wanted > 0, after=t0)
-        if want_at is None:
-            continue
-        peers = [n for n in rec.series if n != name]
-        held = {p: next((s.mapped for s in rec.series[p] if s.t >= want_at), 0) for p in peers}
-        freed = [rec.first_time(p, lambda s, p=p: s.mapped < held[p], after=want_at) for p in peers if held[p] > 0]
-        freed = [t for t in freed if t is not None and t <= t1]
-        if freed:
-            out.append(min(freed) - want_at)
-    return out
+    """``give_back_time`` of each phase after the first, where there was one."""
+    times = [give_back_time(rec, name, t0, t1) for name, t0, t1 in phases[1:]]
+    return [t for t in times if t is not None]
 
 
-def plot(rec: RecordSampler, phases, budget: int, labels: Dict[str, str], path: str) -> None:  # type: ignore[no-untyped-def]
+def plot(  # type: ignore[no-untyped-def]
+    rec: RecordSampler,
+    phases,
+    budget: int,
+    labels: Dict[str, str],
+    path: str,
+    title: str = "kvcached: three vLLM models on one GPU share one KV budget; memory follows the load",
+    split: int = 3,
+) -> None:
     try:
         import matplotlib
     except ImportError:
@@ -83,14 +98,14 @@ def plot(rec: RecordSampler, phases, budget: int, labels: Dict[str, str], path: 
         gib = [p.mapped / (1 << 30) for p in pts]
         ax.step([p.t for p in pts], gib, where="post", lw=2, label=f"model {labels[name]} (kvcached)")
     ax.axhline(budget / (1 << 30), color="red", ls="--", lw=1, label=f"shared KV budget {format_size(budget)}")
-    ax.axhline(budget / 3 / (1 << 30), color="gray", ls=":", lw=1, label="static split: a third each")
+    ax.axhline(budget / split / (1 << 30), color="gray", ls=":", lw=1, label=f"static split: 1/{split} each")
     for name, t0, t1 in phases:
         ax.axvspan(t0, t1, color="green", alpha=0.07)
         ax.text((t0 + t1) / 2, budget / (1 << 30) * 1.02, f"burst at {labels[name]}", ha="center", fontsize=8)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("mapped KV (GiB)")
     ax.set_ylim(0, budget / (1 << 30) * 1.15)
-    ax.set_title("kvcached: three vLLM models on one GPU share one KV budget; memory follows the load")
+    ax.set_title(title)
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -385,11 +385,23 @@ def main() -> int:
         # mapped memory from the record and the scheduler's /proc maps meanwhile.
         if kv:
             rec_s = Sampler(lambda: record().mapped)
-            maps_s = Sampler(lambda: memfd_pages(sched_pid), period=0.1)  # a maps read is ~10 ms here
+            # A maps read takes ~10 ms and the batch a fraction of a second on a fast machine:
+            # the memfd count may miss the peak, so each reading is framed by the record's
+            # mapped bytes read just before and after it (it must lie between them).
+            pairs: List[List[int]] = []
+
+            def memfd_and_mapped() -> int:
+                before = record().mapped
+                n = memfd_pages(sched_pid)
+                pairs.append([before, n, record().mapped])
+                return n
+
+            maps_s = Sampler(memfd_and_mapped, period=0.01)
             with rec_s, maps_s:
                 outs = client.generate(batch_prompts("a"), BATCH)
             res["w3_peak_mapped_bytes"] = rec_s.peak
             res["w3_peak_memfd_pages"] = maps_s.peak
+            res["w3_memfd_mapped_pairs"] = pairs
             res["w3_samples"] = [rec_s.samples, maps_s.samples]
             report("after_w3")
             res["w3_flush"] = flush_when_idle(client)

@@ -232,7 +232,13 @@ def test_pages_mapped_during_generation_and_unmapped_after(runs, ps: int) -> Non
     assert r["w3_samples"][0] > 10 and r["w3_samples"][1] >= 2
     # 8 requests x ~110 tokens x 128 B per token and buffer: >= 24 pages of 4 KiB.
     assert r["w3_peak_mapped_bytes"] >= 24 * BYTES_PER_PAGE
-    assert r["w3_peak_memfd_pages"] >= 24 * 4  # one memfd per page, layer and K/V
+    # /proc maps agree with the record: one memfd per page, layer and K/V at every reading,
+    # between the record's page counts just before and after it (one page of slack: the
+    # record is written after the map). Whether a reading lands on the peak is the machine's
+    # timing (CPU VM, one reading every 100 ms: 87-88 memfds at a peak of 128).
+    for before, memfd, after in r["w3_memfd_mapped_pairs"]:
+        lo, hi = sorted((before // BYTES_PER_PAGE, after // BYTES_PER_PAGE))
+        assert 4 * (lo - 1) <= memfd <= 4 * (hi + 1), r["w3_memfd_mapped_pairs"]
     # After flush + idle: the padding page and the mapped reserve (at most 10 pages) remain.
     assert r["idle_mapped_bytes"] <= 11 * BYTES_PER_PAGE < r["w3_peak_mapped_bytes"]
     assert r["idle_memfd_pages"] <= 11 * 4 < r["w3_peak_memfd_pages"]
