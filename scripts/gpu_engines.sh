@@ -39,6 +39,10 @@
 #   sglang-limits           kvctl limit lowered while decoding, raised again
 #   sglang-overhead         sglang.bench_serving native vs kvcached, paired rounds
 #   sglang-mla              the MLA model: native vs kvcached vs native-2
+# Both engines (each its own site directory: both sets copied):
+#   mixed        a vLLM and an SGLang server sharing one KV budget, bursts alternating between
+#                them, vs a static split of the same memory; want -> give-back both ways
+#   router-mixed a vLLM and an SGLang model behind `kvcached serve` (kv sleep, wake on request)
 # Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
 # Logs and JSON go to a work folder (KVCACHED_PROOF_WORK, default /tmp/kvcached-proof); each
 # step's table to $OUT/<step>.txt and its files to $OUT/<step>.tgz (a device call brings back
@@ -57,6 +61,8 @@ mla="$WORK/models/deepseek-v2-mla"
 hybrid="$WORK/models/qwen3-next"
 proof=scripts/gpu_proof
 sglang_path=${KVCACHED_SGLANG_PYTHONPATH:-/tmp/sc-sglang}
+vllm_path=${KVCACHED_VLLM_PYTHONPATH:-/tmp/sc-vllm}
+both=(--vllm-path "$vllm_path" --sglang-path "$sglang_path")
 gdn='{"additional_config": {"gdn_prefill_backend": "triton"}}'
 rc=0
 # run STEP SCRIPT ARGS...: the step's script with its work folder, its table to $OUT/STEP.txt.
@@ -126,7 +132,11 @@ for step in "${steps[@]}"; do
         --rates "${KVCACHED_PROOF_RATES:-8,32,inf}" --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 "${variants[@]}" ;;
     sglang-mla) run_sglang "$step" $proof/sglang_correctness.py --model "$mla" --prompts 200 --kv 2G \
       --only native,kvcached,native-2 ;;
-    *) echo "unknown step $step (model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-limit overhead three router sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla)" >&2
+    mixed) PYTHONPATH=$vllm_path run "$step" $proof/mixed_engines.py --model "$small" "${both[@]}" \
+      --plot "$OUT/gpu_mixed_engines.png" ;;
+    router-mixed) PYTHONPATH=$vllm_path run "$step" $proof/router_three.py --model "$small" \
+      --models A=vllm:kv,B=sglang:kv "${both[@]}" --plot "$OUT/gpu_router_mixed.png" ;;
+    *) echo "unknown step $step (model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-limit overhead three router sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

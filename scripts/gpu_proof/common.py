@@ -95,6 +95,27 @@ def kv_token_bytes(model: str, dtype_bytes: int) -> int:
     return layers * 2 * heads * head_dim * dtype_bytes
 
 
+def sglang_args(model: str, cpu: bool, kv_bytes: int, max_model_len: Optional[int] = None) -> List[str]:
+    """``launch_server`` arguments of the proof: SGLang's defaults on the device (CUDA graphs,
+    overlap scheduler, radix cache, its attention backend) with ``kv_bytes`` of KV capacity
+    (``--max-total-tokens``, so servers side by side never size their pools from each other's
+    free memory) and metrics on; the CPU backend's settings with ``cpu``."""
+    tokens = kv_bytes // kv_token_bytes(model, 4 if cpu else 2)
+    args = ["--max-total-tokens", str(tokens), "--context-length", str(max_model_len or (512 if cpu else 4096))]
+    args += ["--random-seed", "0", "--enable-metrics"]
+    if cpu:
+        args += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
+        return args + ["--sampling-backend", "pytorch", "--disable-cuda-graph"]
+    return args + ["--dtype", "bfloat16"]
+
+
+def sglang_pythonpath(cpu: bool, path: Optional[str] = None) -> str:
+    """PYTHONPATH of an SGLang process: ``path`` (default this process's), on the CPU behind the
+    test stub for ``vllm._custom_ops`` that SGLang's CPU path imports (never called)."""
+    path = path if path is not None else os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(p for p in ((SGLANG_STUBS if cpu else ""), path) if p)
+
+
 def start_sglang_server(
     model: str,
     name: str,
@@ -109,25 +130,13 @@ def start_sglang_server(
     python: str = sys.executable,
     **env_extra: object,
 ) -> vs.Server:
-    """``python -m sglang.launch_server`` unchanged (SGLang's defaults on the device: CUDA
-    graphs, overlap scheduler, radix cache, its attention backend) with ``kv_bytes`` of KV
-    capacity (``--max-total-tokens``, so servers side by side never size their pools from
-    each other's free memory) and metrics on; kvcached through autopatch, as a user runs it.
-    ``python``: the interpreter that has SGLang."""
-    if cpu:
-        path = (SGLANG_STUBS, str(env_extra.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""))
-        env_extra["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+    """``python -m sglang.launch_server`` unchanged with ``sglang_args``; kvcached through
+    autopatch, as a user runs it. ``python``: the interpreter that has SGLang."""
+    env_extra["PYTHONPATH"] = sglang_pythonpath(cpu, env_extra.get("PYTHONPATH"))  # type: ignore[arg-type]
     if kvcached:
         env_extra.setdefault("KVCACHED_AUTOPATCH", "1")
     env = engine_env(kvcached, name, cpu, budget_fraction, **env_extra)
-    tokens = kv_bytes // kv_token_bytes(model, 4 if cpu else 2)
-    args = ["--max-total-tokens", str(tokens), "--context-length", str(max_model_len or (512 if cpu else 4096))]
-    args += ["--random-seed", "0", "--enable-metrics"]
-    if cpu:
-        args += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
-        args += ["--sampling-backend", "pytorch", "--disable-cuda-graph"]
-    else:
-        args += ["--dtype", "bfloat16"]
+    args = sglang_args(model, cpu, kv_bytes, max_model_len)
     log_dir = os.path.abspath(log_dir)
     return ss.start_server(os.path.abspath(model), name, env, log_dir, *args, *extra_args, python=python)
 

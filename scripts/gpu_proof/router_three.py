@@ -1,12 +1,16 @@
-"""The router on a GPU: three vLLM models behind ``kvcached serve`` (one endpoint,
-one shared KV budget), bursty load that moves from model to model with idle gaps
-long enough for the idle policy to put the others to sleep.
+"""The router on a GPU: models behind ``kvcached serve`` (one endpoint, one shared KV
+budget), bursty load that moves from model to model with idle gaps long enough for
+the idle policy to put the others to sleep.
 
     python scripts/gpu_proof/router_three.py --model DIR --out DIR [--kv 6G] [--plot PNG] [--cpu]
+        [--models A=vllm:kv,B=sglang:kv] [--vllm-python PY] [--vllm-path P] [--sglang-python PY] [--sglang-path P]
 
-A and B sleep by giving their KV back (``sleep: kv``: weights stay, wake restores
-the limit), C by stopping (``sleep: stop``: everything freed, wake = a restart).
-Bursts go A, B, C, then A and C again, each to a model that is asleep by then.
+By default three vLLM models: A and B sleep by giving their KV back (``sleep: kv``:
+weights stay, wake restores the limit), C by stopping (``sleep: stop``: everything
+freed, wake = a restart); bursts go A, B, C, then A and C again, each to a model that
+is asleep by then. ``--models`` names other models (engine and sleep each; bursts
+go through them twice), e.g. a vLLM and an SGLang model behind one endpoint, each
+engine with its own interpreter and PYTHONPATH (their packages clash).
 Reports per burst the model's state before it, TTFT p50/p99 and the first
 request's TTFT (it waited for the wake), the router's own wake latencies
 (``kvcached_router_wake_seconds``), and plots mapped KV per model over time.
@@ -28,14 +32,26 @@ from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import base_args, log, percentile, write_json  # noqa: E402
+from common import base_args, log, percentile, sglang_args, sglang_pythonpath, write_json  # noqa: E402
 from three_models import burst  # noqa: E402
 
 from kvcached.limits.units import format_size, parse_size  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler  # noqa: E402
 
-SLEEP = {"A": "kv", "B": "kv", "C": "stop"}
-ORDER = ("A", "B", "C", "A", "C")
+DEFAULT_MODELS = "A=vllm:kv,B=vllm:kv,C=vllm:stop"
+DEFAULT_ORDER = ("A", "B", "C", "A", "C")
+
+
+def parse_models(text: str) -> Dict[str, Tuple[str, str]]:
+    """``A=vllm:kv,B=sglang:stop`` -> {name: (engine, sleep)}."""
+    out: Dict[str, Tuple[str, str]] = {}
+    for item in text.split(","):
+        name, _, rest = item.partition("=")
+        engine, _, sleep = rest.partition(":")
+        if engine not in ("vllm", "sglang") or not name or not sleep:
+            raise SystemExit(f"--models: {item!r} is not NAME=vllm|sglang:SLEEP (e.g. A=vllm:kv)")
+        out[name] = (engine, sleep)
+    return out
 
 
 def free_port() -> int:
@@ -67,16 +83,25 @@ def wake_seconds(port: int) -> Dict[str, Tuple[float, float]]:
 
 
 def config(a: argparse.Namespace, kv: int, port: int) -> Dict:
-    args = [*base_args(a.cpu, 512 if a.cpu else 4096), "--kv-cache-memory-bytes", str(kv)]
-    if not a.cpu:
-        args += ["--gpu-memory-utilization", "0.2"]  # explicit KV bytes: only the start-up check reads it
     if a.cpu:
         budget = {"host_memory_budget": str(kv)}
     else:
         import torch
 
         budget = {"gpu_utilization": round(kv / torch.cuda.get_device_properties(0).total_memory, 6)}
-    env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+    models = []
+    for m, (engine, sleep) in a.models.items():
+        if engine == "vllm":
+            args = [*base_args(a.cpu, 512 if a.cpu else 4096), "--kv-cache-memory-bytes", str(kv)]
+            if not a.cpu:
+                args += ["--gpu-memory-utilization", "0.2"]  # explicit KV bytes: only the start-up check reads it
+            path, python = a.vllm_path or os.environ.get("PYTHONPATH", ""), a.vllm_python
+        else:
+            args = sglang_args(os.path.abspath(a.model), a.cpu, kv)
+            path, python = sglang_pythonpath(a.cpu, a.sglang_path), a.sglang_python
+        model = {"name": m, "engine": engine, "model": os.path.abspath(a.model), "args": args}
+        model.update(env={"PYTHONPATH": path} if path else {}, idle_seconds=a.idle, sleep=sleep, python=python)
+        models.append(model)
     return {
         "host": "127.0.0.1",
         "port": port,
@@ -85,23 +110,11 @@ def config(a: argparse.Namespace, kv: int, port: int) -> Dict:
         "health_interval_s": 1,
         "log_dir": os.path.abspath(a.out),
         "kvcached": budget,
-        "models": [
-            {
-                "name": m,
-                "engine": "vllm",
-                "model": os.path.abspath(a.model),
-                "args": args,
-                "env": env,
-                "idle_seconds": a.idle,
-                "sleep": SLEEP[m],
-                "python": sys.executable,
-            }
-            for m in "ABC"
-        ],
+        "models": models,
     }
 
 
-def plot(rec: RecordSampler, phases, budget: int, path: str) -> None:  # type: ignore[no-untyped-def]
+def plot(rec: RecordSampler, phases, budget: int, path: str, models: Dict[str, Tuple[str, str]]) -> None:  # type: ignore[no-untyped-def]
     try:
         import matplotlib
     except ImportError:
@@ -122,7 +135,8 @@ def plot(rec: RecordSampler, phases, budget: int, path: str) -> None:  # type: i
         for k, run in enumerate(runs):
             label = None
             if k == 0:
-                label = f"model {m}" + (" (sleep: stop; no line: stopped)" if SLEEP[m] == "stop" else "")
+                engine, sleep = models[m]
+                label = f"model {m} ({engine})" + (" (sleep: stop; no line: stopped)" if sleep == "stop" else "")
             ts, gib = [p.t for p in run], [p.mapped / (1 << 30) for p in run]
             ax.step(ts, gib, where="post", lw=2, color=f"C{i}", label=label)
     ax.axhline(budget / (1 << 30), color="red", ls="--", lw=1, label=f"shared KV budget {format_size(budget)}")
@@ -132,7 +146,8 @@ def plot(rec: RecordSampler, phases, budget: int, path: str) -> None:  # type: i
     ax.set_xlabel("time (s)")
     ax.set_ylabel("mapped KV (GiB)")
     ax.set_ylim(0, budget / (1 << 30) * 1.15)
-    ax.set_title("kvcached serve: three vLLM models behind one endpoint; idle ones sleep, requests wake them")
+    engines = " and ".join(sorted({e for e, _ in models.values()}))
+    ax.set_title(f"kvcached serve: {len(models)} models ({engines}), one endpoint; idle ones sleep, requests wake them")
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -147,8 +162,16 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--burst", type=int, default=None, help="requests per burst (default 128; --cpu 8)")
     ap.add_argument("--idle", type=float, default=5.0, help="idle_seconds of every model")
     ap.add_argument("--plot", default=None, help="PNG of mapped KV over time (default OUT/gpu_router_three.png)")
+    ap.add_argument("--models", default=DEFAULT_MODELS, help=f"NAME=ENGINE:SLEEP,... (default {DEFAULT_MODELS})")
+    ap.add_argument("--vllm-python", default=sys.executable, help="the interpreter that has vLLM")
+    ap.add_argument("--vllm-path", default=None, help="PYTHONPATH of the vLLM engines (default: this process's)")
+    ap.add_argument("--sglang-python", default=sys.executable, help="the interpreter that has SGLang")
+    ap.add_argument("--sglang-path", default=None, help="PYTHONPATH of the SGLang engines (default: this process's)")
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
+    a.models = parse_models(a.models)
+    names = list(a.models)
+    order = DEFAULT_ORDER if a.models == parse_models(DEFAULT_MODELS) else tuple(names + names)
     os.makedirs(a.out, exist_ok=True)
     kv = parse_size(a.kv or ("24M" if a.cpu else "6G"))
     n = a.burst or (8 if a.cpu else 128)
@@ -160,7 +183,7 @@ def main(argv: List[str] | None = None) -> int:
     router = subprocess.Popen(
         [sys.executable, "-m", "kvcached.router", "serve", cfg_path], stdout=logf, stderr=subprocess.STDOUT
     )
-    rec = RecordSampler([f"kvcached_router_{m}" for m in "ABC"], period=0.05)
+    rec = RecordSampler([f"kvcached_router_{m}" for m in names], period=0.05)
     results: List[Dict[str, object]] = []
     phases: List[Tuple[str, float, float]] = []
     wakes: Dict[str, Tuple[float, float]] = {}
@@ -177,11 +200,11 @@ def main(argv: List[str] | None = None) -> int:
             if router.poll() is not None or time.monotonic() - t0 > 1200:
                 raise RuntimeError(f"router or engines not ready (states {st}); see {a.out}")
             time.sleep(1)
-        log(f"three engines ready behind the router after {time.monotonic() - t0:.0f} s")
-        for m in "ABC":  # warm-up: the first requests compile and allocate
+        log(f"{len(names)} engines ready behind the router after {time.monotonic() - t0:.0f} s")
+        for m in names:  # warm-up: the first requests compile and allocate
             burst(SimpleNamespace(port=port, model=m), 2, plen, 8, seed=99)
         rec.start()
-        for i, m in enumerate(ORDER):
+        for i, m in enumerate(order):
             # Long enough without requests that every idle model is asleep.
             deadline = time.monotonic() + a.idle + 60
             while time.monotonic() < deadline:
@@ -195,7 +218,8 @@ def main(argv: List[str] | None = None) -> int:
             phases.append((m, t1, rec.now()))
             res = {
                 "model": m,
-                "sleep": SLEEP[m],
+                "engine": a.models[m][0],
+                "sleep": a.models[m][1],
                 "state_before": before,
                 "p50_ttft_s": percentile(ttfts, 50),
                 "p99_ttft_s": percentile(ttfts, 99),
@@ -205,7 +229,7 @@ def main(argv: List[str] | None = None) -> int:
             }
             results.append(res)
             log(
-                f"burst {i + 1} at {m} ({before}, sleep {SLEEP[m]}): {n} requests, p50 TTFT "
+                f"burst {i + 1} at {m} ({before}, sleep {a.models[m][1]}): {n} requests, p50 TTFT "
                 f"{res['p50_ttft_s']:.2f} s, p99 {res['p99_ttft_s']:.2f} s, max {res['max_ttft_s']:.2f} s, "
                 f"{failed} failed, {res['seconds']:.1f} s"
             )
@@ -229,19 +253,22 @@ def main(argv: List[str] | None = None) -> int:
             "series": {k: [tuple(p) for p in v] for k, v in rec.series.items()},
         },
     )
-    plot(rec, phases, kv, a.plot or os.path.join(a.out, "gpu_router_three.png"))
-    print(f"\nrouter, three models, bursts of {n} requests ({plen} in / {gen} out); KV budget {format_size(kv)} shared")
+    plot(rec, phases, kv, a.plot or os.path.join(a.out, "gpu_router_three.png"), a.models)
     print(
-        f"{'burst':<6} {'model':<6} {'sleep':<6} {'state before':<13} {'p50 TTFT':>9} {'p99':>8} {'max':>8} "
-        f"{'failed':>7}"
+        f"\nrouter, {len(names)} models, bursts of {n} requests ({plen} in / {gen} out); "
+        f"KV budget {format_size(kv)} shared"
+    )
+    print(
+        f"{'burst':<6} {'model':<6} {'engine':<7} {'sleep':<6} {'state before':<13} {'p50 TTFT':>9} {'p99':>8} "
+        f"{'max':>8} {'failed':>7}"
     )
     for i, r in enumerate(results):
         print(
-            f"{i + 1:<6} {r['model']:<6} {r['sleep']:<6} {r['state_before']:<13} {r['p50_ttft_s']:>8.2f}s "
-            f"{r['p99_ttft_s']:>7.2f}s {r['max_ttft_s']:>7.2f}s {r['failed']:>7}"
+            f"{i + 1:<6} {r['model']:<6} {r['engine']:<7} {r['sleep']:<6} {r['state_before']:<13} "
+            f"{r['p50_ttft_s']:>8.2f}s {r['p99_ttft_s']:>7.2f}s {r['max_ttft_s']:>7.2f}s {r['failed']:>7}"
         )
     for m, (count, secs) in sorted(wakes.items()):
-        print(f"router wakes of {m} ({SLEEP[m]}): {count:.0f}, mean {secs / count if count else 0:.2f} s")
+        print(f"router wakes of {m} ({a.models[m][1]}): {count:.0f}, mean {secs / count if count else 0:.2f} s")
     failed = sum(int(r["failed"]) for r in results)
     print(f"{failed} requests failed; router exit status {rc} after SIGTERM")
     return 1 if failed or rc != 0 else 0

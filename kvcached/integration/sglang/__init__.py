@@ -7,10 +7,13 @@
 ``allocator``        elastic token/paged allocators over a KVCacheManager (version-neutral)
 ``swa_allocator``    the SWA composite over elastic sub-allocators (0.5.21+)
 ``admission``        prefill/decode admission by physical capacity where SGLang < 0.5.21 reads
-                     available_size() itself; ``prefill_budget`` where it asks the allocator
+                     available_size() itself (``prefill_budget`` where it asks the allocator);
+                     retraction of running requests while they hold pages over a lowered limit
 ``eviction``         evicting the prefix cache until a condition holds (every release)
 ``scheduler_hooks``  deferred physical release, prefix-cache bound, idle give-back, kvcached_report
+``step_timing``      time kvcached spends on the scheduler thread per step; slow steps logged
 ``conflicts``        SGLang features kvcached refuses to run with
 
-Only ``interfaces``, ``plugin``, ``patches`` and ``conflicts`` are importable without SGLang.
+Only ``interfaces``, ``plugin``, ``patches``, ``step_timing`` and ``conflicts`` are importable
+without SGLang.
 """

@@ -45,6 +45,7 @@ from sglang.srt.utils import get_num_new_pages, next_power_of_2
 from kvcached.integration.sglang import conflicts
 from kvcached.integration.sglang.eviction import evict_until
 from kvcached.integration.sglang.pool import ElasticGroup, group_of, is_elastic_pool
+from kvcached.integration.sglang.step_timing import step_timer
 
 _INT64 = torch.int64
 logger = logging.getLogger("kvcached.integration.sglang")
@@ -226,6 +227,11 @@ class _ElasticAllocatorMixin:
     def _debug_check_no_duplicate_pages(self) -> None:
         return None  # the manager refuses a double free itself
 
+    def _timed_alloc(self, n: int) -> Optional[List[int]]:
+        """``KVCacheManager.alloc`` (which maps pages when it must), timed for ``step_timing``."""
+        with step_timer().part("alloc"):
+            return self._mgr.alloc(n)
+
     def _ids_tensor(self, ids: List[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=_INT64, device=self.device)
 
@@ -310,7 +316,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         if need_size <= k:
             self._spare = spare[need_size:]
             return spare[:need_size]
-        ids = self._mgr.alloc(need_size - k)
+        ids = self._timed_alloc(need_size - k)
         if ids is None:
             return None
         self._spare = spare[:0]
@@ -383,9 +389,9 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
         """``n`` new pages as a device tensor (a dummy page-0 row when n == 0)."""
         if n <= 0:
             return self._one_page
-        ids = self._mgr.alloc(n)
+        ids = self._timed_alloc(n)
         if ids is None and self._evict_for(n * self.page_size):
-            ids = self._mgr.alloc(n)
+            ids = self._timed_alloc(n)
         return None if ids is None else self._ids_tensor(ids)
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:

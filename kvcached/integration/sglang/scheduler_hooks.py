@@ -63,6 +63,7 @@ from kvcached.integration.sglang.eviction import (
     protected_tokens,
 )
 from kvcached.integration.sglang.pool import elastic_groups, instance
+from kvcached.integration.sglang.step_timing import step_timer
 
 logger = logging.getLogger("kvcached.integration.sglang")
 
@@ -100,13 +101,16 @@ def after_launch(result: Any) -> None:
 def after_result(scheduler: Any, result: Any) -> None:
     """The batch of ``result`` and all earlier ones have finished: release, then bound the cache."""
     _stats["batches"] += 1
-    step = getattr(result, _STEP, None) if result is not None else None
-    if step is not None:
-        instance().fence.finished(step)
-    tree = getattr(scheduler, "tree_cache", None)
-    bound_prefix_cache(tree)
-    shrink_to_limits(tree)
-    note_waiting(scheduler)
+    timer = step_timer()
+    with timer.part("hooks"):
+        step = getattr(result, _STEP, None) if result is not None else None
+        if step is not None:
+            instance().fence.finished(step)
+        tree = getattr(scheduler, "tree_cache", None)
+        bound_prefix_cache(tree)
+        shrink_to_limits(tree)
+        note_waiting(scheduler)
+    timer.end_step()
 
 
 def nothing_in_flight(scheduler: Any) -> bool:
@@ -273,6 +277,7 @@ def report(scheduler: Any) -> Dict[str, Any]:
         "vllm_patches": summary_of("vLLM"),
     }
     out.update(_stats)
+    out["step_timing"] = step_timer().stats()
     return out
 
 
