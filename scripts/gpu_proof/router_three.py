@@ -118,7 +118,7 @@ def plot(rec: RecordSampler, phases, budget: int, path: str, models: Dict[str, T
     try:
         import matplotlib
     except ImportError:
-        log("matplotlib is not installed: no plot (the series are in router_three.json)")
+        log("matplotlib is not installed: no plot (the series are in the JSON beside it)")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

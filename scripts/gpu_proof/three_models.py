@@ -88,7 +88,7 @@ def plot(  # type: ignore[no-untyped-def]
     try:
         import matplotlib
     except ImportError:
-        log("matplotlib is not installed: no plot (the series are in three_models.json)")
+        log("matplotlib is not installed: no plot (the series are in the JSON beside it)")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
