@@ -15,7 +15,8 @@ Two tables:
 
 Sources come from ``scripts/engine_sources.py`` (the release wheel, cached outside
 the clone). A release not cached is skipped with the reason, unless
-``KVCACHED_REQUIRE_SEAM_SOURCES=1``, which downloads it.
+``KVCACHED_REQUIRE_SEAM_SOURCES=1`` (``scripts/test.sh`` sets it), which downloads it and
+fails the contract when it cannot.
 ``python tests/contracts/test_sglang_seams.py [-v]`` prints the seam x version table
 with ``file:line`` evidence (what docs/notes/sglang_seams.md is written from).
 
@@ -695,7 +696,8 @@ def engine_sources():
 
 
 def tree_of(version: str, download: Optional[bool] = None) -> Tree:
-    """The parsed source tree of SGLang ``version``; skips the test when it is not cached."""
+    """The parsed source tree of SGLang ``version``; skips the test when it is not cached (fails when the
+    sources are required: ``KVCACHED_REQUIRE_SEAM_SOURCES=1``)."""
     if version in _trees:
         return _trees[version]
     es = engine_sources()
@@ -704,7 +706,8 @@ def tree_of(version: str, download: Optional[bool] = None) -> Tree:
     try:
         root = es.ensure_source("sglang", version, download=download)
     except es.SourceUnavailable as e:
-        pytest.skip(
+        # Under scripts/test.sh (CI) the sources are required: a contract that cannot run fails.
+        (pytest.fail if download else pytest.skip)(
             f"SGLang {version} source not cached ({e}); "
             f"python scripts/engine_sources.py sglang {version}, or KVCACHED_REQUIRE_SEAM_SOURCES=1"
         )

@@ -21,7 +21,8 @@ contract to accept both shapes and drop the ``KNOWN_BREAKS`` entries that then p
 
 Sources come from ``scripts/engine_sources.py`` (sdist, cached outside the
 clone). A version not cached is skipped with the reason, unless
-``KVCACHED_REQUIRE_SEAM_SOURCES=1``, which downloads it.
+``KVCACHED_REQUIRE_SEAM_SOURCES=1`` (``scripts/test.sh`` sets it), which downloads it and
+fails the contract when it cannot.
 
 ``python tests/contracts/test_vllm_seams.py`` prints the seam x version table
 with ``file:line`` evidence (what docs/notes/vllm_seams.md is written from).
@@ -620,7 +621,8 @@ def engine_sources():
 
 
 def tree_of(version: str, download: Optional[bool] = None) -> Tree:
-    """The parsed source tree of vLLM ``version``; skips the test when it is not cached."""
+    """The parsed source tree of vLLM ``version``; skips the test when it is not cached (fails when the
+    sources are required: ``KVCACHED_REQUIRE_SEAM_SOURCES=1``)."""
     if version in _trees:
         return _trees[version]
     es = engine_sources()
@@ -629,7 +631,8 @@ def tree_of(version: str, download: Optional[bool] = None) -> Tree:
     try:
         root = es.ensure_source("vllm", version, download=download)
     except es.SourceUnavailable as e:
-        pytest.skip(
+        # Under scripts/test.sh (CI) the sources are required: a contract that cannot run fails.
+        (pytest.fail if download else pytest.skip)(
             f"vLLM {version} source not cached ({e}); "
             f"python scripts/engine_sources.py vllm {version}, or KVCACHED_REQUIRE_SEAM_SOURCES=1"
         )
