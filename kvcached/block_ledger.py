@@ -49,7 +49,10 @@ class BlockLedger:
         nothing and raises InvalidArgumentError saying which and why."""
         if isinstance(block_ids, (str, bytes)):
             raise InvalidArgumentError(f"block ids must be integers, got {block_ids!r}")
-        items = block_ids if isinstance(block_ids, (list, tuple)) else list(block_ids)
+        try:
+            items = block_ids if isinstance(block_ids, (list, tuple)) else list(block_ids)
+        except TypeError:
+            raise InvalidArgumentError(f"block ids must be a list of integers, got {block_ids!r}") from None
         try:
             # operator.index(True) is 1: a stray flag must not free block 1.
             if any(b.__class__ is bool for b in items):

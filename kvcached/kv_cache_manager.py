@@ -542,7 +542,8 @@ class KVCacheManager:
         go at once when what is mapped exceeds the new cap.
         """
         with self._lock:
-            self.page_allocator.set_mem_limit(operator.index(limit_bytes))
+            # The extension checks it (a bool, a float, beyond 64 bits: InvalidArgumentError naming it).
+            self.page_allocator.set_mem_limit(limit_bytes)
             self._cap_stamp = -math.inf
             if not self._closed and self._release.over_cap():
                 self._release.reclaim()

@@ -127,6 +127,10 @@ def test_page_allocator_rejects_bad_frees(vmm, device, page_size):
     assert pa.get_num_inuse_pages() == 1
 
 
+def _dev() -> str:
+    return _C.config()["device"]
+
+
 # Values pybind's own casters turned into an untyped TypeError (or, for a bool,
 # silently into 1): every integer argument is checked and named instead.
 BAD_INTEGERS = [
@@ -150,6 +154,14 @@ BAD_INTEGERS = [
     (lambda v, pa, t: t.set_limit(1, 2**32), "expected_revision must be <= 4294967295"),
     (lambda v, pa, t: t.set_limit(1, True), "expected_revision must be an integer, got bool"),
     (lambda v, pa, t: t.set_granted(-1), "granted bytes must be >= 0"),
+    # Python-side arguments that pybind would have cast (issue 34, item 11).
+    (lambda v, pa, t: v.create_kv_tensors(-1, 2, _dev(), 2), "size must be >= 0, got -1"),
+    (lambda v, pa, t: v.create_kv_tensors(1.5, 2, _dev(), 2), "size must be an integer, got float"),
+    (lambda v, pa, t: v.create_kv_tensors(0, 2, _dev(), True), "num_layers must be an integer, got bool"),
+    (lambda v, pa, t: v.create_kv_tensors(0, 2, _dev(), 2, group_id=-1), "group_id must be >= 0"),
+    (lambda v, pa, t: v.init_kvcached(_dev(), page_size=-65536), "page_size must be >= 0, got -65536"),
+    (lambda v, pa, t: v.init_kvcached(_dev(), page_size=True), "page_size must be an integer, got bool"),
+    (lambda v, pa, t: v.init_kvcached(_dev(), contiguous_layout=1), "contiguous_layout must be True"),
 ]
 
 
@@ -177,6 +189,29 @@ def test_numpy_and_torch_integers_are_accepted(vmm, page_size, ready):
     vmm.map_to_kv_tensors(np.array([0, 2 * page_size], dtype=np.int64))
     vmm.unmap_from_kv_tensors(torch.tensor([0, 2 * page_size]))
     assert _C.mapped_offsets() == [page_size]
+
+
+def test_manager_arguments_of_the_wrong_type_are_named(vmm, device, page_size):
+    """KVCacheManager.free(None) and set_mem_limit(1.5) raised a plain TypeError (issue 34, item 11)."""
+    from kvcached.kv_cache_manager import KVCacheManager
+
+    vmm.create_kv_tensors(8 * page_size, 1, device, 1, 1)
+    m = KVCacheManager(8, 1, page_size // 4, 1, num_kv_buffers=1)
+    try:
+        ids = m.alloc(2)
+        before = (m.available_size(), m.page_allocator.mem_limit())
+        for call, message in (
+            (lambda: m.free(None), "block ids must be a list of integers, got None"),
+            (lambda: m.free(7), "block ids must be a list of integers, got 7"),
+            (lambda: m.set_mem_limit(1.5), "must be an integer, got float"),
+            (lambda: m.set_mem_limit(True), "must be an integer, got bool"),
+        ):
+            with pytest.raises(InvalidArgumentError, match=message):
+                call()
+        assert (m.available_size(), m.page_allocator.mem_limit()) == before
+        m.free(ids)
+    finally:
+        m.shutdown()
 
 
 def test_a_bool_is_not_a_block_id():
