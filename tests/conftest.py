@@ -49,3 +49,20 @@ def vmm(device: str, page_size: int):
     yield vmm_ops
     _C.clear_faults()
     vmm_ops.shutdown_kvcached()
+
+
+@pytest.fixture
+def running(tmp_path):
+    """Routers over stand-in engines (``router_helpers.Running``), closed after the test."""
+    from router_helpers import Running
+
+    made = []
+
+    def make(models, **top):
+        r = Running(tmp_path, models, **top)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()

@@ -337,3 +337,17 @@ def test_a_guarded_collector_never_fails_the_scrape_it_joins():
     assert list(guarded.collect()) == [] and list(guarded.collect()) == []
     with pytest.raises(OSError):
         list(bare.collect())
+
+
+def test_router_metrics_label_records_by_name_not_instance(prefix):
+    """The router's /metrics labelled records ``instance``, which Prometheus overwrites with
+    the scrape target (issue 34, item 7): ``name``, as the exporter labels them."""
+    from kvcached.router.metrics import kvcached_record_lines
+
+    t = _C.MemInfoTracker.create(prefix + "r", "vllm", 0, 0, 1 << 16, 1 << 16)
+    try:
+        lines = [x for x in kvcached_record_lines({prefix + "r": "alpha"}) if prefix in x]
+        assert lines and all(f'{{name="{prefix}r",model="alpha",' in x for x in lines), lines
+        assert not any("instance=" in x for x in kvcached_record_lines({}))
+    finally:
+        t.unlink()

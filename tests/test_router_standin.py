@@ -10,7 +10,9 @@ Started through ``standin_python(tmp_path)``: an executable that takes the
 router's engine command line (``-m vllm.entrypoints...``/``--port`` ...).
 Environment: ``STANDIN_START_DELAY`` seconds before it listens;
 ``STANDIN_FAIL_FILE``: while that file exists the process exits 3 at start;
-``STANDIN_GATE``: a stream's second event waits until ``POST /open_gate``.
+``STANDIN_GATE``: a stream's second event waits until ``POST /open_gate``;
+a request whose prompt is ``crash`` kills the process before it answers (after a
+line in ``STANDIN_CRASH_LOG``, when set).
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(404, {"error": {"message": f"model {req.get('model')} not served here"}})
         if _State.sleeping:
             return self._json(500, {"error": "asleep"})
+        if req.get("prompt") == "crash":  # a request that takes the engine down with it
+            if os.environ.get("STANDIN_CRASH_LOG"):
+                with open(os.environ["STANDIN_CRASH_LOG"], "a") as f:
+                    f.write(f"{os.getpid()}\n")
+            os._exit(9)
         words = [f"{_State.name}-{i}" for i in range(int(req.get("max_tokens", 3)))]
         if not req.get("stream"):
             return self._json(200, {"model": _State.name, "pid": os.getpid(), "choices": [{"text": " ".join(words)}]})

@@ -3,9 +3,11 @@ Prometheus text format (version 0.0.4), without a client library.
 
 Router series (label ``model``): requests by status code, requests waiting
 for an engine (queue) and in flight, the engine's state, sleeps, wakes, wake
-latency (histogram), restarts. kvcached series (labels ``instance`` and, for
-the router's engines, ``model``): limit, used, preallocated, mapped and
-virtual bytes of every valid record in /dev/shm, as ``kvctl list`` shows them.
+latency (histogram), restarts. kvcached series (labels ``name``, the record's
+name as the exporter labels it, and, for the router's engines, ``model``):
+limit, used, preallocated, mapped and virtual bytes of every valid record in
+/dev/shm, as ``kvctl list`` shows them. (Not ``instance``: Prometheus sets that
+label to the scrape target and would overwrite it.)
 """
 
 from __future__ import annotations
@@ -154,6 +156,6 @@ def kvcached_record_lines(models_by_instance: Dict[str, str]) -> List[str]:
         out.append(f"# HELP {name} {help_} (kvcached record)")
         out.append(f"# TYPE {name} gauge")
         for r in sorted(recs, key=lambda r: r.name):
-            lab = _labels(instance=r.name, model=models_by_instance.get(r.name, ""), device=r.device)
+            lab = _labels(name=r.name, model=models_by_instance.get(r.name, ""), device=r.device)
             out.append(f"{name}{lab} {int(getattr(r, attr))}")
     return out

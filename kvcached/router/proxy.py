@@ -24,6 +24,9 @@ from kvcached.router.router import Router
 log = logging.getLogger("kvcached.router")
 
 MAX_BODY = 64 << 20  # a request body larger than this is refused (413)
+# What _forward returns when there is no HTTP status to pass on.
+NOT_REACHED = -1  # the engine's process never read the request: it may be sent again after a restart
+NO_ANSWER = 0  # the engine had the request and stopped without answering: never sent again
 # Connection-level headers are not forwarded (RFC 9110 7.6.1); lengths are set anew.
 HOP_BY_HOP = {
     "connection",
@@ -145,25 +148,46 @@ class RouterHandler(BaseHTTPRequestHandler):
                 status = self._forward(model, engine.host, engine.port, body)
             finally:
                 router.release(model)
-            # The engine died under us before answering: wait for its restart once.
-            if status != 0 or attempt == 1 or not engine.check_exited():
+            # The engine was gone before the request reached it: wait for its restart once.
+            # A request it had received is never sent again: it may be what stopped it.
+            if status != NOT_REACHED or attempt == 1 or not engine.check_exited():
                 break
-        if status == 0:
+        if status == NO_ANSWER:
+            engine.check_exited(wait_s=1.0)  # a crash: restarted now, not at the next health check
+            router.metrics.request(model, 502)
+            self._error(
+                502,
+                f"the engine of model {model!r} stopped while handling this request; "
+                "it was not sent again (it may be what stopped the engine)",
+                "bad_gateway",
+            )
+        elif status == NOT_REACHED:
             router.metrics.request(model, 502)
             self._error(502, f"the engine of model {model!r} did not answer", "bad_gateway")
 
     def _forward(self, model: str, host: str, port: int, body: bytes) -> int:
-        """Sends the request on and streams the answer back; its status, 0 when the
-        engine gave none (nothing was sent to the client then, nor counted)."""
+        """Sends the request on and streams the answer back; its status, NOT_REACHED when
+        the engine's process did not read it (no connection, or reset unread), NO_ANSWER
+        when it read it and gave no status (nothing was sent to the client then, nor counted)."""
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
         headers["Content-Length"] = str(len(body))
         conn = http.client.HTTPConnection(host, port, timeout=self.server.router.config.request_timeout_s)
         try:
             try:
+                conn.connect()
+            except OSError:
+                return NOT_REACHED
+            try:
                 conn.request("POST", self.path, body=body, headers=headers)
                 resp = conn.getresponse()
+            except http.client.RemoteDisconnected:
+                return NO_ANSWER  # closed cleanly without an answer: the engine had read it
+            except (ConnectionResetError, BrokenPipeError):
+                # Reset by the kernel: the engine's process died with the request unread (still
+                # in the listen backlog or the socket buffer), e.g. killed just before it.
+                return NOT_REACHED
             except (OSError, http.client.HTTPException):
-                return 0
+                return NO_ANSWER
             # Counted before the answer goes out: a client that has read all of it (and
             # then reads /metrics) finds it counted.
             self.server.router.metrics.request(model, resp.status)

@@ -17,6 +17,7 @@ import time
 from typing import Dict, List, Optional
 
 from kvcached.router.config import ConfigError, RouterConfig
+from kvcached.router.logfiles import open_log, prepare_log_dir
 from kvcached.router.metrics import RouterMetrics
 from kvcached.router.sleep import SleepError, sleep_mode_for
 from kvcached.router.supervisor import ASLEEP, BACKOFF, READY, SLEEPING, STARTING, WAKING, ModelEngine
@@ -80,7 +81,9 @@ class Router:
         for e in self.engines.values():
             if e.spec.port:
                 check_port_free("127.0.0.1", e.spec.port, f"model {e.name!r}")
-        os.makedirs(self.config.log_dir, exist_ok=True)
+        prepare_log_dir(self.config.log_dir)
+        for e in self.engines.values():
+            os.close(open_log(e.log_path))  # a planted link stops the start here, in one line
         for e in self.engines.values():
             e.spawn()
         self._monitor = threading.Thread(target=self._monitor_loop, name="router-monitor", daemon=True)

@@ -27,6 +27,7 @@ from typing import Callable, Dict, Mapping, Optional
 
 from kvcached.router.config import ModelSpec
 from kvcached.router.engines import engine_command, engine_env
+from kvcached.router.logfiles import open_log
 
 log = logging.getLogger("kvcached.router")
 
@@ -118,7 +119,7 @@ class ModelEngine:
             port = self.spec.port or free_port(self.host)
             cmd = engine_command(self.spec, self.host, port)
             env: Dict[str, str] = engine_env(self.spec, self.kvcached_env)
-            with open(self.log_path, "ab") as logf:
+            with os.fdopen(open_log(self.log_path), "ab") as logf:
                 logf.write(f"\n=== kvcached router: starting {' '.join(cmd)}\n".encode())
                 logf.flush()
                 self.proc = subprocess.Popen(

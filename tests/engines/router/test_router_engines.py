@@ -203,7 +203,7 @@ def test_routes_by_model_and_streams(router):
     text = router.metrics()
     for key in ("alpha", "beta"):
         assert f'kvcached_router_requests_total{{model="{router.names[key]}",code="200"}} 4' in text
-        assert f'instance="{router.instance(key)}",model="{router.names[key]}"' in text  # kvcached record
+        assert f'name="{router.instance(key)}",model="{router.names[key]}"' in text  # kvcached record
         assert router.record(key) is not None
 
 
