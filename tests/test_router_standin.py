@@ -40,6 +40,7 @@ class _State:
     name = ""
     sleeping = False
     calls: list = []
+    headers: dict = {}  # of the last POST
     gate = threading.Event()
 
 
@@ -62,7 +63,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, {})
         elif self.path == "/stats":
             self._json(
-                200, {"pid": os.getpid(), "name": _State.name, "sleeping": _State.sleeping, "calls": _State.calls}
+                200,
+                {
+                    "pid": os.getpid(),
+                    "name": _State.name,
+                    "sleeping": _State.sleeping,
+                    "calls": _State.calls,
+                    "headers": _State.headers,
+                },
             )
         else:
             self._json(404, {"error": self.path})
@@ -70,6 +78,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         _State.calls.append(self.path)
+        _State.headers = dict(self.headers.items())
         if self.path in ("/sleep?level=1", "/release_memory_occupation"):
             _State.sleeping = True
             return self._json(200, {})

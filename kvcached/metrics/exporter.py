@@ -1,9 +1,11 @@
 """The standalone exporter (``kvctl metrics``): ``/metrics`` over HTTP for every
 kvcached instance of this user on the machine, read from the shared records.
 
-Bounded: at most ``MAX_CONNECTIONS`` requests are served at once (more are
-closed at once), a client that sends no request within ``REQUEST_TIMEOUT_S``
-is dropped, and scrapes are serialized (one pass over /dev/shm at a time).
+Bounded: at most ``MAX_CONNECTIONS`` connections are served at once (more are
+closed at once), each is closed ``REQUEST_DEADLINE_S`` after it was accepted
+whatever it sends (a client dripping a byte at a time cannot hold a slot), one
+silent for ``REQUEST_TIMEOUT_S`` sooner, and scrapes are serialized (one pass
+over /dev/shm at a time).
 Loopback by default. SIGTERM or SIGINT stop it cleanly (exit status 0).
 """
 
@@ -20,8 +22,9 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from kvcached.metrics.collector import KvcachedCollector
 
-MAX_CONNECTIONS = 8
-REQUEST_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64
+REQUEST_TIMEOUT_S = 10.0  # silence on a connection (the socket timeout of each read)
+REQUEST_DEADLINE_S = 10.0  # a connection's whole life: its request read and its scrape sent
 METRICS_PATH = "/metrics"
 
 
@@ -35,6 +38,9 @@ class _Handler(WSGIRequestHandler):
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+    # Connections beyond the cap are accepted and closed, not reset by a full listen queue
+    # (socketserver's default of 5 drops a burst).
+    request_queue_size = 2 * MAX_CONNECTIONS
 
     def __init__(self, addr: Any, handler: Any) -> None:
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
@@ -48,10 +54,22 @@ class _Server(socketserver.ThreadingMixIn, WSGIServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        deadline = threading.Timer(REQUEST_DEADLINE_S, _cut, args=(request,))
+        deadline.daemon = True
+        deadline.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            deadline.cancel()
             self._slots.release()
+
+
+def _cut(conn: socket.socket) -> None:
+    """The deadline passed: the handler's next read or write fails and its slot frees."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
 
 
 def _only_metrics(app: Callable) -> Callable:

@@ -1,8 +1,12 @@
 """The router's HTTP front: one OpenAI-compatible endpoint over every model.
 
-``POST /v1/...`` (completions, chat completions, anything with a ``model``)
-goes to that model's engine, the response passed through as it arrives
-(streams stay streams: server-sent events are forwarded chunk by chunk).
+``POST`` to an API route (``FORWARDED``: completions, chat completions,
+embeddings, ...; the path normalised first, never an engine's admin endpoint)
+goes to the ``model``'s engine, without hop-by-hop headers or those the client's
+``Connection`` names, the response passed through as it arrives (streams stay
+streams: server-sent events are forwarded chunk by chunk). Malformed input (a
+bare CR/LF in a header, a bad ``Content-Length``, a body that is not JSON or is
+nested too deep) gets a 4xx, never a traceback.
 ``GET /v1/models`` lists the configured models with their state, ``GET
 /health`` says the router is up, ``GET /metrics`` is ``RouterMetrics``.
 Standard library only (``ThreadingHTTPServer`` + ``http.client``): one thread
@@ -15,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import posixpath
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Optional
@@ -40,6 +45,51 @@ HOP_BY_HOP = {
     "content-length",
     "host",
 }
+
+
+# The API routes forwarded to an engine (POST, with a "model"); anything else, the engines'
+# admin endpoints (/sleep, /wake_up, ...) among them, is not reachable through the router.
+FORWARDED = frozenset(
+    ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/rerank", "/v1/score")
+)
+
+
+def forwarded_path(raw: str) -> str:
+    """The path a POST goes to, normalised (``/v1/../sleep`` is ``/sleep``), or "" when it is not
+    an API route the router serves. The query string is kept."""
+    path, sep, query = raw.partition("?")
+    norm = posixpath.normpath(path) if path.startswith("/") else ""
+    return norm + sep + query if norm in FORWARDED else ""
+
+
+def forwarded_headers(headers) -> dict:  # type: ignore[no-untyped-def]
+    """The client's headers an engine gets: hop-by-hop ones and those the client's
+    ``Connection`` header names dropped (RFC 9110 7.6.1)."""
+    named = {t.strip().lower() for v in headers.get_all("Connection", []) for t in v.split(",")}
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP and k.lower() not in named}
+
+
+class _LineRecorder:
+    """The request's reader while its headers are parsed, keeping the raw lines: the parser
+    splits a bare CR into two headers, so only the bytes tell a header smuggled in that way."""
+
+    def __init__(self, f) -> None:  # type: ignore[no-untyped-def]
+        self.f = f
+        self.lines: list = []
+
+    def readline(self, size: int = -1) -> bytes:
+        line = self.f.readline(size)
+        self.lines.append(line)
+        return line
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.f, name)
+
+
+def _bare_line_break(lines: list) -> bool:
+    """A CR inside a header line (not its CRLF end), or a folded continuation line: either
+    would reach the engine as a header of the client's choosing."""
+    return any(b"\r" in ln.rstrip(b"\r\n") or ln[:1] in (b" ", b"\t") for ln in lines)
 
 
 class RouterServer(ThreadingHTTPServer):
@@ -79,6 +129,19 @@ class RouterHandler(BaseHTTPRequestHandler):
         """An OpenAI-style error body."""
         self._json(status, {"error": {"message": message, "type": etype, "param": None, "code": code}}, extra)
 
+    def parse_request(self) -> bool:
+        rec = _LineRecorder(self.rfile)
+        self.rfile = rec  # type: ignore[assignment]
+        try:
+            ok = super().parse_request()
+        finally:
+            self.rfile = rec.f
+        if ok and _bare_line_break(rec.lines):
+            self.close_connection = True
+            self._error(400, "a header holds a bare CR or is folded over lines", "invalid_request_error")
+            return False
+        return ok
+
     # -- routes --------------------------------------------------------------
     def do_GET(self) -> None:
         router = self.server.router
@@ -100,23 +163,28 @@ class RouterHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         router = self.server.router
-        if not self.path.startswith("/v1/"):
+        path = forwarded_path(self.path)
+        if not path:
             self._error(404, f"no route POST {self.path}", "not_found_error")
             return
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        if length is None:
             self.close_connection = True
             self._error(411, "a Content-Length header is required", "invalid_request_error")
             return
-        if int(length) > MAX_BODY:
+        if not (length.isascii() and length.isdigit()):  # "²" is a digit to str.isdigit
+            self.close_connection = True
+            self._error(400, "Content-Length must be a decimal number of bytes", "invalid_request_error")
+            return
+        if len(length) > 20 or int(length) > MAX_BODY:
             self.close_connection = True
             self._error(413, f"request body over {MAX_BODY} bytes", "invalid_request_error")
             return
         body = self.rfile.read(int(length))
         try:
             req = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            self._error(400, "the request body is not JSON", "invalid_request_error")
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep, an integer too long
+            self._error(400, "the request body is not JSON this router reads", "invalid_request_error")
             return
         model = req.get("model") if isinstance(req, dict) else None
         if not isinstance(model, str) or not model:
@@ -128,6 +196,7 @@ class RouterHandler(BaseHTTPRequestHandler):
                 404, f"model {model!r} is not served here; known: {known}", "invalid_request_error", "model_not_found"
             )
             return
+        self.path = path
         self._route(model, body)
 
     def _route(self, model: str, body: bytes) -> None:
@@ -169,7 +238,7 @@ class RouterHandler(BaseHTTPRequestHandler):
         """Sends the request on and streams the answer back; its status, NOT_REACHED when
         the engine's process did not read it (no connection, or reset unread), NO_ANSWER
         when it read it and gave no status (nothing was sent to the client then, nor counted)."""
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = forwarded_headers(self.headers)
         headers["Content-Length"] = str(len(body))
         conn = http.client.HTTPConnection(host, port, timeout=self.server.router.config.request_timeout_s)
         try:
