@@ -293,6 +293,32 @@ def test_on_free_gives_back_slack_beyond_two_quanta(host, prefix):
         lim.close()
 
 
+def test_after_a_lowered_limit_is_met_the_grant_follows_what_is_mapped(host, prefix):
+    """H200: limit 512M met, 512 MiB mapped, the record still showed 2.38 GiB held (issue 34,
+    item 12): the grant was floored at what was mapped when the limit fell and stayed there
+    (within two quanta of slack) until the idle watcher's next wake, 10 s later. Now the
+    frees that meet the limit bring it down with them."""
+    budget = DeviceBudget("cpu", PAGES * BPP, scope=prefix)
+    pa = host(max_reserved=0)
+    lim = InstanceLimits.for_page_allocator(
+        pa, engine="t", device="cpu", name=prefix + "g", budget=budget, quantum_bytes=4 * BPP
+    )
+    try:
+        lim.admit_pages(10)
+        ids = pa.alloc_pages(10)
+        r = set_instance_memory_limit(4 * BPP, name=lim.name)
+        wait_applied(lim, r.revision)
+        assert lim.record().granted == 10 * BPP  # floored at what is mapped: the pages are live
+        pa.free_pages(ids[4:])  # the engine frees until it fits
+        lim.on_free()
+        rec = lim.record()
+        assert pa.get_num_mapped_pages() == 4 and rec.granted == 4 * BPP and rec.held == 4 * BPP
+        assert budget.headroom() == (PAGES - 4) * BPP  # the peers see it at once
+        pa.free_pages(ids[:4])
+    finally:
+        lim.close()
+
+
 def test_budget_from_env(monkeypatch):
     monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "8M")
     assert DeviceBudget.from_env("cpu").budget_bytes == 8 << 20

@@ -470,12 +470,13 @@ class InstanceLimits:
                 self._enforce_locked()
 
     def on_free(self) -> None:
-        """Cheap hook after frees: gives back slack beyond two quanta."""
-        if (
-            self.budget is not None
-            and self._pa is not None
-            and self._published - self._mapped_bytes() > 2 * self._quantum
-        ):
+        """Cheap hook after frees: gives back slack beyond two quanta, and, after a limit was
+        lowered under what was mapped (the grant was floored at it), the grant the freed
+        pages held: the record then shows more than may be mapped and more than is."""
+        if self.budget is None or self._pa is None:
+            return
+        mapped = self._mapped_bytes()
+        if self._published - mapped > 2 * self._quantum or self._published > max(self._cap, mapped):
             self.release_slack(self._quantum)
 
     # ---- shutdown ------------------------------------------------------------
