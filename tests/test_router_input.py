@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 from router_helpers import BOUND_S, complete, request
 
@@ -94,3 +95,90 @@ def test_only_the_api_routes_are_forwarded_after_normalising_the_path(running):
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
     assert status(post(r.port, body, path="/v1/./completions")) == 200
     assert engine_calls(r) == ["/v1/completions"]
+
+
+# ------------------------------------------------- clients that stall (issue 34, item 3)
+def _closed_within(sock: socket.socket, bound: float) -> bool:
+    """The router closed ``sock`` (EOF or reset) within ``bound`` seconds."""
+    sock.settimeout(bound)
+    try:
+        while True:
+            if sock.recv(65536) == b"":
+                return True
+    except ConnectionError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_requests_that_never_finish_arriving_are_cut_at_the_deadline(running, monkeypatch):
+    """300 connections stalling their body kept 300 threads past 30 s; a bare GET without its
+    blank line got no answer and no close. Each request now has READ_DEADLINE_S to arrive."""
+    from kvcached.router import proxy
+
+    monkeypatch.setattr(proxy, "READ_DEADLINE_S", 1.0)
+    r = running([{"name": MODEL}])
+    r.ready()
+    stalled = []
+    for i in range(20):
+        s = socket.create_connection(("127.0.0.1", r.port), timeout=BOUND_S)
+        if i % 2:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line
+        else:
+            head = f'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{{"model": "{MODEL}"'
+            s.sendall(head.encode())  # a tenth of the body
+        stalled.append(s)
+    try:
+        assert complete(r.port, MODEL)[0] == 200  # served meanwhile
+        assert all(_closed_within(s, BOUND_S) for s in stalled)
+        assert engine_calls(r) == ["/v1/completions"]  # no stalled body was forwarded
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_connections_over_the_cap_are_closed_and_serving_resumes(running, monkeypatch):
+    from kvcached.router import proxy
+
+    monkeypatch.setattr(proxy, "MAX_CONNECTIONS", 4)
+    r = running([{"name": MODEL}])
+    r.ready()
+    idle = [socket.create_connection(("127.0.0.1", r.port), timeout=BOUND_S) for _ in range(4)]
+    try:
+        extra = socket.create_connection(("127.0.0.1", r.port), timeout=BOUND_S)
+        assert _closed_within(extra, BOUND_S)  # every slot taken: closed unanswered
+        extra.close()
+    finally:
+        for s in idle:
+            s.close()
+    for _ in range(200):  # the idle handlers see the close and free their slots
+        try:
+            if complete(r.port, MODEL)[0] == 200:
+                break
+        except (ConnectionError, OSError):
+            pass
+    else:
+        raise AssertionError("the router did not serve again after the idle connections closed")
+
+
+def test_bodies_in_flight_are_capped_in_bytes(running, monkeypatch):
+    """Six stalled 64 MiB bodies took the router from 23 to 387 MiB: the bodies being read
+    or forwarded together are capped; past it a request gets 503 at once."""
+    from kvcached.router import proxy
+
+    monkeypatch.setattr(proxy, "MAX_INFLIGHT_BODY", 1 << 20)
+    r = running([{"name": MODEL}])
+    r.ready()
+    big = 700 << 10
+    first = socket.create_connection(("127.0.0.1", r.port), timeout=BOUND_S)
+    first.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {big}\r\n\r\n".encode() + b"{")
+    try:
+        for _ in range(200):  # until the router is reading the first body
+            if r.server._inflight_body == big:
+                break
+            time.sleep(0.01)
+        answer = post(r.port, b" " * 10, length=big)  # a second one would pass the cap
+        assert status(answer) == 503 and b"too many request bodies" in answer
+        assert complete(r.port, MODEL)[0] == 200  # small ones still fit
+    finally:
+        first.close()

@@ -6,7 +6,8 @@ goes to the ``model``'s engine, without hop-by-hop headers or those the client's
 ``Connection`` names, the response passed through as it arrives (streams stay
 streams: server-sent events are forwarded chunk by chunk). Malformed input (a
 bare CR/LF in a header, a bad ``Content-Length``, a body that is not JSON or is
-nested too deep) gets a 4xx, never a traceback.
+nested too deep) gets a 4xx, never a traceback; stalled clients are bounded
+(``READ_DEADLINE_S``, ``CLIENT_TIMEOUT_S``, ``MAX_CONNECTIONS``, ``MAX_INFLIGHT_BODY``).
 ``GET /v1/models`` lists the configured models with their state, ``GET
 /health`` says the router is up, ``GET /metrics`` is ``RouterMetrics``.
 Standard library only (``ThreadingHTTPServer`` + ``http.client``): one thread
@@ -20,6 +21,8 @@ import http.client
 import json
 import logging
 import posixpath
+import socket
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Optional
@@ -29,6 +32,15 @@ from kvcached.router.router import Router
 log = logging.getLogger("kvcached.router")
 
 MAX_BODY = 64 << 20  # a request body larger than this is refused (413)
+# Clients that stall cannot hold the router: each request's line, headers and body must have
+# arrived READ_DEADLINE_S after the router started waiting for it (an idle keep-alive
+# connection is closed then too), a silent client is dropped after CLIENT_TIMEOUT_S, at most
+# MAX_CONNECTIONS connections are served at once (more are closed at once), and the bodies
+# being read or forwarded together hold at most MAX_INFLIGHT_BODY bytes (more: 503).
+READ_DEADLINE_S = 30.0
+CLIENT_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 512
+MAX_INFLIGHT_BODY = 256 << 20
 # What _forward returns when there is no HTTP status to pass on.
 NOT_REACHED = -1  # the engine's process never read the request: it may be sent again after a restart
 NO_ANSWER = 0  # the engine had the request and stopped without answering: never sent again
@@ -101,13 +113,62 @@ class RouterServer(ThreadingHTTPServer):
 
     def __init__(self, address: Any, router: Router) -> None:
         self.router = router
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._body_lock = threading.Lock()
+        self._inflight_body = 0
         super().__init__(address, RouterHandler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the cap: closed, not queued
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def take_body(self, n: int) -> bool:
+        """Counts ``n`` body bytes in flight; False (nothing counted) when over MAX_INFLIGHT_BODY."""
+        with self._body_lock:
+            if self._inflight_body + n > MAX_INFLIGHT_BODY:
+                return False
+            self._inflight_body += n
+            return True
+
+    def give_body(self, n: int) -> None:
+        with self._body_lock:
+            self._inflight_body -= n
 
 
 class RouterHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kvcached-router"
     server: RouterServer
+    timeout = CLIENT_TIMEOUT_S  # each read from or write to the client
+
+    def handle_one_request(self) -> None:
+        # The deadline of this request's arrival; read_done() ends it once the body is in.
+        self._deadline = threading.Timer(READ_DEADLINE_S, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._deadline.cancel()
+
+    def _cut(self) -> None:
+        """The request did not arrive in time: its reads fail and the connection ends."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def read_done(self) -> None:
+        self._deadline.cancel()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         log.debug("%s %s", self.address_string(), format % args)
@@ -144,6 +205,7 @@ class RouterHandler(BaseHTTPRequestHandler):
 
     # -- routes --------------------------------------------------------------
     def do_GET(self) -> None:
+        self.read_done()
         router = self.server.router
         path = self.path.split("?", 1)[0]
         if path == "/health":
@@ -165,6 +227,7 @@ class RouterHandler(BaseHTTPRequestHandler):
         router = self.server.router
         path = forwarded_path(self.path)
         if not path:
+            self.close_connection = True  # its body is not read: it must not be taken for a request
             self._error(404, f"no route POST {self.path}", "not_found_error")
             return
         length = self.headers.get("Content-Length")
@@ -180,7 +243,26 @@ class RouterHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._error(413, f"request body over {MAX_BODY} bytes", "invalid_request_error")
             return
-        body = self.rfile.read(int(length))
+        self.path = path
+        n = int(length)
+        if not self.server.take_body(n):
+            self.close_connection = True
+            self._error(
+                503, "the router is reading or forwarding too many request bodies; retry", "service_unavailable",
+                extra={"Retry-After": "1"},
+            )  # fmt: skip
+            return
+        try:
+            self._post_body(router, n)
+        finally:
+            self.server.give_body(n)
+
+    def _post_body(self, router: Router, n: int) -> None:
+        body = self.rfile.read(n)
+        if len(body) < n:  # the client closed or the deadline cut it
+            self.close_connection = True
+            return
+        self.read_done()
         try:
             req = json.loads(body)
         except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep, an integer too long
@@ -196,7 +278,6 @@ class RouterHandler(BaseHTTPRequestHandler):
                 404, f"model {model!r} is not served here; known: {known}", "invalid_request_error", "model_not_found"
             )
             return
-        self.path = path
         self._route(model, body)
 
     def _route(self, model: str, body: bytes) -> None:
