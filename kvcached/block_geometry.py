@@ -19,22 +19,9 @@ served; the manager warns once, naming a page size that fills 90%.
 from __future__ import annotations
 
 import math
-import operator
 from typing import List, Tuple
 
-from kvcached.errors import InvalidArgumentError
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-    try:
-        value = operator.index(value)  # also numpy / torch integer scalars
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}") from None
-    if value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value}")
-    return int(value)
+from kvcached.errors import InvalidArgumentError, int_arg
 
 
 def _every_page_holds_a_block(page_size: int, block_mem_size: int) -> bool:
@@ -127,10 +114,10 @@ class BlockGeometry:
     )
 
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, page_size: int) -> None:
-        self.num_blocks = _positive_int("num_blocks", num_blocks)
-        self.block_size = _positive_int("block_size", block_size)
-        self.cell_size = _positive_int("cell_size", cell_size)
-        self.page_size = _positive_int("page_size", page_size)
+        self.num_blocks = int_arg("num_blocks", num_blocks, minimum=1)
+        self.block_size = int_arg("block_size", block_size, minimum=1)
+        self.cell_size = int_arg("cell_size", cell_size, minimum=1)
+        self.page_size = int_arg("page_size", page_size, minimum=1)
         block = self.block_size * self.cell_size
         self.block_mem_size = block
         where = (

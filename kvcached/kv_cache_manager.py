@@ -73,7 +73,7 @@ from kvcached import _C, config, naming, pool_registry
 from kvcached.block_geometry import GOOD_UTILIZATION, BlockGeometry, better_page_size
 from kvcached.block_index import BlockIndex
 from kvcached.block_ledger import FREE, NULL, OUT, RESERVED, BlockLedger
-from kvcached.errors import InvalidArgumentError, OutOfMemoryError, ShutdownError, StateConsistencyError
+from kvcached.errors import InvalidArgumentError, OutOfMemoryError, ShutdownError, StateConsistencyError, int_arg
 from kvcached.manager_setup import (
     AUTO,
     Barrier,
@@ -99,28 +99,6 @@ _UNITS = {"b": 1, "bytes": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 EMPTY_PAGE_GRACE_S = 0.25
 # At most this many emptied pages are parked at a time (the rest go at once).
 MAX_PARKED_PAGES = 4
-
-
-def _non_negative(name: str, value: object) -> int:
-    try:
-        v = -1 if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        v = -1
-    if v < 0:
-        raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
-    return v
-
-
-def _count(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}") from None
-    if v <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {v}")
-    return v
 
 
 class KVCacheManager:
@@ -207,9 +185,9 @@ class KVCacheManager:
         empty_page_grace_s: float = EMPTY_PAGE_GRACE_S,
     ) -> None:
         configure_logging()
-        self.num_layers = _count("num_layers", num_layers)
-        self.num_kv_buffers = _count("num_kv_buffers", num_kv_buffers)
-        self.world_size = _count("world_size", world_size)
+        self.num_layers = int_arg("num_layers", num_layers, minimum=1)
+        self.num_kv_buffers = int_arg("num_kv_buffers", num_kv_buffers, minimum=1)
+        self.world_size = int_arg("world_size", world_size, minimum=1)
         self.pp_rank = operator.index(pp_rank)
         self.group_id = operator.index(group_id)
         self.async_sched = bool(async_sched)
@@ -375,7 +353,7 @@ class KVCacheManager:
             return self._alloc(need_size)
 
     def _alloc(self, need_size: int) -> Optional[List[int]]:
-        n = _count("need_size", need_size)
+        n = int_arg("need_size", need_size, minimum=1)
         self._check_open()
         if not self._started:
             self._start()  # may take the null block: before counting free blocks
@@ -468,7 +446,7 @@ class KVCacheManager:
         Reserved blocks count in available_size() and are handed out first.
         """
         with self._lock:
-            n = _count("need_size", need_size)
+            n = int_arg("need_size", need_size, minimum=1)
             self._check_open()
             ledger = self._ledger
             kept = ledger.reserved
@@ -761,8 +739,8 @@ class KVCacheManager:
         Returns ``memory_limit_state()`` with that status. Bad input raises
         InvalidArgumentError (a ValueError), nothing changed.
         """
-        limit = _non_negative("limit_bytes", limit_bytes)
-        rev = _non_negative("revision", revision)
+        limit = int_arg("limit_bytes", limit_bytes)
+        rev = int_arg("revision", revision)
         with self._limit_lock:  # not the manager's lock: the limits watcher takes that one
             self._check_open()
             if rev < self._limit_rev:

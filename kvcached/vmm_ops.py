@@ -15,33 +15,14 @@ chunk_elems)``; the bytes each view addresses are identical between layouts.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import List, Optional, Sequence, Tuple, Union
 
 from kvcached import _C, config
 from kvcached._C import PageAllocator  # noqa: F401  (upstream name)
 from kvcached.devices import normalize_device
-from kvcached.errors import InvalidArgumentError
+from kvcached.errors import InvalidArgumentError, int_arg
 
 _INT_DTYPES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
-_INT64_MAX = (1 << 63) - 1
-
-
-def _int_arg(name: str, value: object, minimum: int = 0) -> int:
-    """An integer argument checked before it reaches the extension (SECURITY.md A1): pybind's
-    casters would raise an untyped TypeError for a negative size or a float, and take a bool
-    as 0 or 1. Numpy and torch integers are integers."""
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be an integer, got bool")
-    try:
-        v = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if v > _INT64_MAX:
-        raise InvalidArgumentError(f"{name} is outside the 64-bit integer range")
-    if v < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {v}")
-    return v
 
 
 def init_kvcached(
@@ -57,7 +38,7 @@ def init_kvcached(
         raise InvalidArgumentError(f"contiguous_layout must be True or False, got {contiguous_layout!r}")
     _C.init_kvcached(
         dev_str if isinstance(dev_str, str) else normalize_device(dev_str),
-        config.page_size() if page_size is None else _int_arg("page_size", page_size),
+        config.page_size() if page_size is None else int_arg("page_size", page_size),
         config.contiguous_layout() if contiguous_layout is None else contiguous_layout,
     )
 
@@ -120,12 +101,12 @@ def create_kv_tensors(
             f"create_kv_tensors on {dev_str!r} but kvcached was initialized for {cfg['device']!r}; "
             "call init_kvcached with the same device"
         )
-    size = _int_arg("size", size)
-    num_layers = _int_arg("num_layers", num_layers, minimum=1)
-    num_kv_buffers = _int_arg("num_kv_buffers", num_kv_buffers, minimum=1)
-    group_id = _int_arg("group_id", group_id)
+    size = int_arg("size", size)
+    num_layers = int_arg("num_layers", num_layers, minimum=1)
+    num_kv_buffers = int_arg("num_kv_buffers", num_kv_buffers, minimum=1)
+    group_id = int_arg("group_id", group_id)
     page = cfg["page_size"]
-    chunk = page if chunk_bytes is None else _int_arg("chunk_bytes", chunk_bytes, minimum=1)
+    chunk = page if chunk_bytes is None else int_arg("chunk_bytes", chunk_bytes, minimum=1)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if chunk <= 0 or page % chunk != 0 or chunk % itemsize != 0:
         raise InvalidArgumentError(

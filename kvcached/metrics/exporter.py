@@ -20,6 +20,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from kvcached.http_guard import DEADLINES, ConnectionCap, cut
 from kvcached.metrics.collector import KvcachedCollector
 
 MAX_CONNECTIONS = 64
@@ -35,41 +36,24 @@ class _Handler(WSGIRequestHandler):
         pass  # a scrape every few seconds would flood the log
 
 
-class _Server(socketserver.ThreadingMixIn, WSGIServer):
+class _Server(ConnectionCap, socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+    max_connections = MAX_CONNECTIONS
     # Connections beyond the cap are accepted and closed, not reset by a full listen queue
     # (socketserver's default of 5 drops a burst).
     request_queue_size = 2 * MAX_CONNECTIONS
 
     def __init__(self, addr: Any, handler: Any) -> None:
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(addr, handler)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # over the cap: refuse rather than queue
-            return
-        super().process_request(request, client_address)
-
     def process_request_thread(self, request: Any, client_address: Any) -> None:
-        deadline = threading.Timer(REQUEST_DEADLINE_S, _cut, args=(request,))
-        deadline.daemon = True
-        deadline.start()
+        token = DEADLINES.add(REQUEST_DEADLINE_S, lambda: cut(request))
         try:
             super().process_request_thread(request, client_address)
         finally:
-            deadline.cancel()
-            self._slots.release()
-
-
-def _cut(conn: socket.socket) -> None:
-    """The deadline passed: the handler's next read or write fails and its slot frees."""
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed
+            DEADLINES.cancel(token)
 
 
 def _only_metrics(app: Callable) -> Callable:

@@ -21,12 +21,12 @@ import http.client
 import json
 import logging
 import posixpath
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Optional
 
+from kvcached.http_guard import DEADLINES, ConnectionCap, cut
 from kvcached.router.router import Router
 
 log = logging.getLogger("kvcached.router")
@@ -104,7 +104,7 @@ def _bare_line_break(lines: list) -> bool:
     return any(b"\r" in ln.rstrip(b"\r\n") or ln[:1] in (b" ", b"\t") for ln in lines)
 
 
-class RouterServer(ThreadingHTTPServer):
+class RouterServer(ConnectionCap, ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     # A burst's clients connect at once: socketserver's listen queue of 5 resets the
@@ -113,22 +113,10 @@ class RouterServer(ThreadingHTTPServer):
 
     def __init__(self, address: Any, router: Router) -> None:
         self.router = router
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.max_connections = MAX_CONNECTIONS
         self._body_lock = threading.Lock()
         self._inflight_body = 0
         super().__init__(address, RouterHandler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # over the cap: closed, not queued
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
 
     def take_body(self, n: int) -> bool:
         """Counts ``n`` body bytes in flight; False (nothing counted) when over MAX_INFLIGHT_BODY."""
@@ -151,24 +139,14 @@ class RouterHandler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         # The deadline of this request's arrival; read_done() ends it once the body is in.
-        self._deadline = threading.Timer(READ_DEADLINE_S, self._cut)
-        self._deadline.daemon = True
-        self._deadline.start()
+        self._deadline = DEADLINES.add(READ_DEADLINE_S, lambda: cut(self.connection))
         try:
             super().handle_one_request()
         finally:
-            self._deadline.cancel()
-
-    def _cut(self) -> None:
-        """The request did not arrive in time: its reads fail and the connection ends."""
-        self.close_connection = True
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            DEADLINES.cancel(self._deadline)
 
     def read_done(self) -> None:
-        self._deadline.cancel()
+        DEADLINES.cancel(self._deadline)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         log.debug("%s %s", self.address_string(), format % args)

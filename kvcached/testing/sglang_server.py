@@ -84,12 +84,3 @@ def stream(srv: Server, prompt_ids: Sequence[int], max_tokens: int, timeout: flo
                 ttft = time.perf_counter() - t0
     total = time.perf_counter() - t0
     return (ttft if ttft is not None else total), total, n
-
-
-def post(srv: Server, path: str, body: Dict[str, Any], timeout: float = 60) -> Any:
-    """POST ``body`` as JSON to one of the server's endpoints; its JSON answer."""
-    url = f"http://127.0.0.1:{srv.port}{path}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
-    return json.loads(raw) if raw.strip() else None

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from kvcached.testing import sglang_server as ss
 from kvcached.testing import vllm_server as vs
@@ -139,6 +139,23 @@ def start_sglang_server(
     args = sglang_args(model, cpu, kv_bytes, max_model_len)
     log_dir = os.path.abspath(log_dir)
     return ss.start_server(os.path.abspath(model), name, env, log_dir, *args, *extra_args, python=python)
+
+
+def budget_env(kv: int, cpu: bool) -> Dict[str, str]:
+    """The device budget of every kvcached instance of a run: ``kv`` bytes."""
+    if cpu:
+        return {"KVCACHED_HOST_MEMORY_BUDGET": str(kv)}
+    import torch
+
+    return {"KVCACHED_GPU_UTILIZATION": f"{kv / torch.cuda.get_device_properties(0).total_memory:.6f}"}
+
+
+def add_engine_args(ap: Any) -> None:
+    """``--vllm-python/--vllm-path/--sglang-python/--sglang-path``: each engine's interpreter and
+    PYTHONPATH (their packages clash: on the H200 /tmp/sc-vllm and /tmp/sc-sglang)."""
+    for engine, name in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        ap.add_argument(f"--{engine}-python", default=sys.executable, help=f"the interpreter that has {name}")
+        ap.add_argument(f"--{engine}-path", default=None, help=f"PYTHONPATH of the {name} engines (default: ours)")
 
 
 def wait_all(servers: Sequence[vs.Server], timeout: float) -> float:

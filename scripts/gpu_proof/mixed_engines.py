@@ -26,7 +26,16 @@ import time
 from typing import Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import log, percentile, start_server, start_sglang_server, wait_all, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_engine_args,
+    budget_env,
+    log,
+    percentile,
+    start_server,
+    start_sglang_server,
+    wait_all,
+    write_json,
+)
 from three_models import burst, give_back_time, plot  # noqa: E402
 
 from kvcached.limits.units import format_size, parse_size  # noqa: E402
@@ -35,15 +44,6 @@ from kvcached.testing import vllm_server as vs  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler  # noqa: E402
 
 ORDER = ("vllm", "sglang", "vllm", "sglang")
-
-
-def budget_env(kv: int, cpu: bool) -> Dict[str, str]:
-    """The device budget of every kvcached instance: ``kv`` bytes."""
-    if cpu:
-        return {"KVCACHED_HOST_MEMORY_BUDGET": str(kv)}
-    import torch
-
-    return {"KVCACHED_GPU_UTILIZATION": f"{kv / torch.cuda.get_device_properties(0).total_memory:.6f}"}
 
 
 def start_pair(a: argparse.Namespace, kvcached: bool, kv: int, tag: int) -> Dict[str, vs.Server]:
@@ -103,10 +103,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--kv", default=None, help="KV memory of the two together (default 6G; --cpu 24M)")
     ap.add_argument("--burst", type=int, default=None, help="requests per burst (default 192; --cpu 12)")
     ap.add_argument("--plot", default=None, help="PNG of mapped KV over time (default OUT/gpu_mixed_engines.png)")
-    ap.add_argument("--vllm-python", default=sys.executable, help="the interpreter that has vLLM")
-    ap.add_argument("--vllm-path", default=None, help="PYTHONPATH of the vLLM servers (default: this process's)")
-    ap.add_argument("--sglang-python", default=sys.executable, help="the interpreter that has SGLang")
-    ap.add_argument("--sglang-path", default=None, help="PYTHONPATH of the SGLang servers (default: this process's)")
+    add_engine_args(ap)
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)

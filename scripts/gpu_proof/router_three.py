@@ -32,7 +32,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import base_args, log, percentile, sglang_args, sglang_pythonpath, write_json  # noqa: E402
+from common import add_engine_args, base_args, log, percentile, sglang_args, sglang_pythonpath, write_json  # noqa: E402
 from three_models import burst  # noqa: E402
 
 from kvcached.limits.units import format_size, parse_size  # noqa: E402
@@ -163,10 +163,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--idle", type=float, default=5.0, help="idle_seconds of every model")
     ap.add_argument("--plot", default=None, help="PNG of mapped KV over time (default OUT/gpu_router_three.png)")
     ap.add_argument("--models", default=DEFAULT_MODELS, help=f"NAME=ENGINE:SLEEP,... (default {DEFAULT_MODELS})")
-    ap.add_argument("--vllm-python", default=sys.executable, help="the interpreter that has vLLM")
-    ap.add_argument("--vllm-path", default=None, help="PYTHONPATH of the vLLM engines (default: this process's)")
-    ap.add_argument("--sglang-python", default=sys.executable, help="the interpreter that has SGLang")
-    ap.add_argument("--sglang-path", default=None, help="PYTHONPATH of the SGLang engines (default: this process's)")
+    add_engine_args(ap)
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
     a.models = parse_models(a.models)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import log, percentile, start_server, wait_all, write_json  # noqa: E402
+from common import budget_env, log, percentile, start_server, wait_all, write_json  # noqa: E402
 
 from kvcached.limits.units import format_size, parse_size  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
@@ -126,12 +126,7 @@ def main(argv: List[str] | None = None) -> int:
     n = a.burst or (12 if a.cpu else 192)
     plen, gen = (64, 48) if a.cpu else (1024, 512)
     tag = os.getpid()
-    if a.cpu:
-        frac = {"KVCACHED_HOST_MEMORY_BUDGET": str(kv)}
-    else:
-        import torch
-
-        frac = {"KVCACHED_GPU_UTILIZATION": f"{kv / torch.cuda.get_device_properties(0).total_memory:.6f}"}
+    frac = budget_env(kv, a.cpu)
     started: List[vs.Server] = []
     try:
         trio: Dict[str, Dict[str, vs.Server]] = {"kvcached": {}, "static": {}}
