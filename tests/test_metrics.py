@@ -169,9 +169,15 @@ def test_dead_and_invalid_records(prefix):
     finally:
         w.kill()
     bad = _C.MemInfoTracker.create(prefix + "bad", "t", 0, 0, 4 * BPP, 4 * BPP)
-    poke(bad.name, used=-5)  # a field out of range: the record is not trusted
+    damaged = _C.MemInfoTracker.create(prefix + "dmg", "t", 0, 0, 4 * BPP, 4 * BPP)
+    del bad  # its owner lock goes; its owner_pid below names no process
+    poke(prefix + "bad", used=-5, owner_pid=-3)  # fields out of range: the record is not trusted
+    poke(damaged.name, used=-5)  # the same while its owner (this process) lives
     samples, rows = agreeing_scrape(prefix)
     assert rows[prefix + "bad"]["state"] == "invalid" and rows[prefix + "d"]["state"] == "dead"
+    assert rows[prefix + "dmg"]["state"] == "damaged"
+    assert value(samples, "kvcached_instance_state", name=prefix + "dmg", engine="t", device="cpu",
+                 state="damaged") == 1  # fmt: skip
     dead = dict(name=prefix + "d", engine="test", device="cpu")
     assert value(samples, "kvcached_instance_state", **dead, state="dead") == 1
     assert value(samples, "kvcached_held_bytes", **dead) == 0  # its memory died with it
@@ -182,7 +188,7 @@ def test_dead_and_invalid_records(prefix):
     # No numbers of an untrusted record, and none counted for the device.
     assert not [k for k in samples if k[0] == "kvcached_used_bytes" and ("name", prefix + "bad") in k[1]]
     assert ("kvcached_device_instances", (("device", "cpu"),)) not in samples  # nobody alive in this scope
-    del bad
+    del damaged
 
 
 # ------------------------------------------------------------------ the exporter

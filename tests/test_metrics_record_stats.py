@@ -239,10 +239,13 @@ def test_a_record_of_an_unknown_version_is_refused_by_name(prefix):
     with pytest.raises(_C.InvalidArgumentError, match="of version 3, not a kvcached record of version 1 or 2"):
         _C.MemInfoTracker.open(t.name)
     (r,) = [x for x in list_records() if x.name == t.name]
-    assert r.state == "invalid" and "version 3" in r.problem
+    assert r.state == "damaged" and "version 3" in r.problem  # its owner (this process) lives
     samples = scrape(prefix)  # the scrape goes on
-    assert value(samples, "kvcached_instance_state", name=t.name, engine="", device="?", state="invalid") == 1
+    assert value(samples, "kvcached_instance_state", name=t.name, engine="", device="?", state="damaged") == 1
+    name = t.name
     del t
+    (r,) = [x for x in list_records() if x.name == name]
+    assert r.state == "invalid" and not r.alive  # the owner lock went with the owner
 
 
 @pytest.mark.parametrize(

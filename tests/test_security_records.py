@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -141,7 +142,10 @@ GARBAGE = [
 
 
 @pytest.mark.parametrize("fields,why", GARBAGE, ids=[ascii(sorted(f))[1:-1] for f, _ in GARBAGE])
-def test_a_garbage_field_makes_the_record_invalid_and_ignored(prefix, fields, why):
+def test_a_garbage_field_fails_closed_while_its_owner_lives(prefix, fields, why):
+    """Its numbers are not trusted: while its owner lives (the owner lock says so,
+    whatever owner_pid now says) the budget counts it as holding everything; once
+    the owner is gone it is invalid and counts nothing (issue 34, item 9)."""
     name = prefix + "g"
     budget = DeviceBudget("cpu", 8 * BPP, scope=prefix)
     t = _C.MemInfoTracker.create(name, "t", 0, 0, 4 * BPP, 4 * BPP)
@@ -152,17 +156,25 @@ def test_a_garbage_field_makes_the_record_invalid_and_ignored(prefix, fields, wh
     assert why in snap.problem, snap.problem
     assert snap.name == name and snap.engine.isprintable() and snap.engine.isascii()
     rec = next(r for r in list_records() if r.name == name)
-    assert rec.state == "invalid" and rec.held == 0 and rec.wants(10.0) == 0
-    assert budget.held_bytes() == 0 and budget.members() == []
+    assert rec.state == "damaged" and rec.held == 0 and rec.wants(10.0) == 0
+    assert budget.held_bytes() == 8 * BPP and budget.members() == []
+    assert [r.name for r in budget.damaged()] == [name]
     r = kvctl("list", timeout=30)
-    assert r.returncode == 0 and "invalid, ignored by budgets" in r.stdout, r.stderr
+    assert r.returncode == 0 and "damaged while its owner lives" in r.stdout, r.stderr
     rev = peek(name, "revision")
     r = kvctl("limit", name, str(BPP), timeout=30)  # refused: invalid, or (pid -3) dead, or not a record
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert peek(name, "revision") == rev
     with pytest.raises(_C.InvalidArgumentError, match="is invalid"):
         t.set_limit(BPP)  # the data plane refuses too, whatever the caller checked
-    del t
+    if "owner_pid" in fields:
+        r = kvctl("cleanup", timeout=30)  # dead by its pid field, alive by its lock: kept
+        assert r.returncode == 0 and os.path.exists(shm_path(name)), r.stdout + r.stderr
+    del t  # the owner lets go of its lock
+    if "owner_pid" in fields or "version" in fields:  # no pid vouches for it any more: invalid, counts nothing
+        rec = next(r for r in list_records() if r.name == name)
+        assert rec.state == "invalid" and not rec.alive
+        assert budget.held_bytes() == 0 and budget.damaged() == []
 
 
 def test_the_owner_ignores_a_garbage_limit(prefix, workers):
@@ -199,11 +211,41 @@ def test_truncating_a_live_record_does_not_kill_its_owner(prefix, workers):
         assert w.call("free", n=1)["ok"]
     assert w.proc.poll() is None
     r = kvctl("list", "--json", timeout=30)
-    assert r.returncode == 0  # a 0-byte file is not listed as a record
-    assert name not in [x["name"] for x in json.loads(r.stdout)]
+    assert r.returncode == 0
+    (row,) = [x for x in json.loads(r.stdout) if x["name"] == name]  # listed: its owner lock is held
+    assert row["state"] == "damaged" and "no record header" in row["problem"]
     r = kvctl("delete", name, timeout=30)
-    assert r.returncode == 2 and "not a kvcached record" in r.stderr
+    assert r.returncode == 2 and "is alive" in r.stderr
     w.exit()  # clean shutdown still works
+    assert not os.path.exists(shm_path(name))
+
+
+def test_a_damaged_live_record_keeps_its_memory_in_the_budget(prefix, workers):
+    """Issue 34, item 9: A holds 6 of 8 pages; its record truncated to 0 (or its
+    owner_pid scribbled), B used to map 6 more. B now gets nothing until A exits."""
+    budget = DeviceBudget("cpu", 8 * BPP, scope=prefix)
+    cfg = dict(pages=16, budget_bytes=8 * BPP, scope=prefix, max_reserved=0, quantum_bytes=BPP)
+    for damage in ("truncate", "owner_pid"):
+        a = workers(name=prefix + "a" + damage[0], **cfg)
+        b = workers(name=prefix + "b" + damage[0], **cfg)
+        assert a.call("alloc", n=6)["ok"]
+        if damage == "truncate":
+            os.truncate(shm_path(a.name), 0)
+        else:
+            poke(a.name, owner_pid=1)  # a live process, but not the owner (its start time differs)
+        if damage == "truncate":  # its numbers are gone: it counts as holding everything
+            assert [r.name for r in budget.damaged(exclude=b.name)] == [a.name]
+        else:  # a plausible pid: still a valid record, alive by its owner lock, counted as it says
+            assert [(r.name, r.state) for r in budget.members(exclude=b.name)] == [(a.name, "alive")]
+        assert b.call("alloc", n=1)["ok"]  # the quantum B was granted at its start
+        assert not b.call("alloc", n=1)["ok"]  # A's 6 pages are not given away
+        if damage == "truncate":
+            b.wait_stderr("is damaged while its owner lives")
+        r = kvctl("cleanup", timeout=30)
+        assert r.returncode == 0 and os.path.exists(shm_path(a.name)), r.stdout + r.stderr
+        a.kill()
+        assert b.call("alloc", n=6)["ok"]  # A's memory went with it (7 of 8 pages now B's)
+        b.exit()
 
 
 def test_a_truncated_record_is_reported_to_a_reader_that_maps_it(prefix):
@@ -312,3 +354,32 @@ def test_delete_refuses_what_is_not_a_record_and_reports_the_result(prefix):
     r = kvctl("delete", prefix + "d", "--force", timeout=30)
     assert r.returncode == 0 and not os.path.exists(shm_path(prefix + "d"))
     del t
+
+
+def test_a_forked_child_does_not_keep_a_killed_owner_alive(prefix):
+    """The owner lock is per open file description, which fork shares: the child
+    takes a fresh one of its own, so the owner's death still shows at once."""
+    name = prefix + "fork"
+    code = f"""
+import os, sys, time
+from kvcached import _C
+t = _C.MemInfoTracker.create({name!r}, "t", 0, 0, {BPP}, {BPP})
+child = os.fork()
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(owner.stdout.readline())
+    try:
+        (rec,) = [r for r in list_records() if r.name == name]
+        assert rec.alive and rec.state == "alive"
+        owner.kill()
+        owner.wait(30)
+        (rec,) = [r for r in list_records() if r.name == name]
+        assert not rec.alive and rec.state == "dead"  # the child lives on, without the lock
+        assert _C.record_owner_locked(name) is False
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -518,6 +518,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("device_index", &MemInfoSnapshot::device_index)
       .def_readonly("owner_pid", &MemInfoSnapshot::owner_pid)
       .def_readonly("owner_alive", &MemInfoSnapshot::owner_alive)
+      .def_readonly("owner_locked", &MemInfoSnapshot::owner_locked)
       .def_readonly("revision", &MemInfoSnapshot::revision)
       .def_readonly("limit", &MemInfoSnapshot::limit)
       .def_readonly("used", &MemInfoSnapshot::used)
@@ -652,6 +653,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("name"), py::arg("seconds"))
       .def("unlink", &MemInfoTracker::unlink);
   m.def("list_mem_info_records", &list_mem_info_records, release_gil());
+  m.def("record_owner_locked", &record_owner_locked, py::arg("name"), release_gil());
   m.def("delete_mem_info_record", &delete_mem_info_record, py::arg("name"), py::arg("force") = false, release_gil());
   m.def("process_alive", &process_alive, py::arg("pid"), py::arg("start_time") = 0);
 }

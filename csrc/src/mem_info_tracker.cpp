@@ -16,6 +16,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <pthread.h>
+#include <vector>
 
 #include "kvcached/errors.hpp"
 #include "kvcached/mapping_guard.hpp"
@@ -220,6 +223,87 @@ bool exited_unreaped(int pid, char state) {
   return !t || std::strtol(t + 9, nullptr, 10) <= 1;
 }
 
+// The owner's liveness lock: an OFD lock on one byte past any record's end,
+// taken by create() and held while the owner's lock descriptor is open. Unlike
+// owner_pid/start time it survives a truncated or scribbled record, and it
+// dies with the owner (issue 34, item 9: a damaged live record fails closed).
+constexpr off_t kOwnerLockStart = off_t(1) << 30;
+
+struct flock owner_lock_range(short type) {
+  struct flock fl;
+  std::memset(&fl, 0, sizeof(fl));
+  fl.l_type = type;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = kOwnerLockStart;
+  fl.l_len = 1;
+  return fl;
+}
+
+void register_owner_fd(int fd);
+
+// A second description of fd's file holding the owner lock (-1: none could be
+// had, e.g. a kernel without OFD locks: liveness then rests on the pid alone).
+int take_owner_lock(int fd) {
+  char self[64];
+  std::snprintf(self, sizeof(self), "/proc/self/fd/%d", fd);
+  int lfd = ::open(self, O_RDONLY | O_CLOEXEC);
+  if (lfd < 0) return -1;
+  struct flock fl = owner_lock_range(F_WRLCK);
+  // F_WRLCK on a read-only description is refused; F_RDLCK conflicts with the
+  // readers' F_WRLCK probe all the same.
+  fl.l_type = F_RDLCK;
+  if (fcntl(lfd, F_OFD_SETLK, &fl) != 0) {
+    close(lfd);
+    return -1;
+  }
+  register_owner_fd(lfd);
+  return lfd;
+}
+
+// Whether another open file description holds the owner lock of fd's file.
+bool owner_lock_held(int fd) {
+  struct flock fl = owner_lock_range(F_WRLCK);
+  return fcntl(fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
+}
+
+// A forked child shares the owner's open file description, and with it the
+// lock: it would outlive a killed owner in the child. So the child swaps each
+// owner descriptor for a fresh one of the same file (same fd number, no lock).
+std::mutex g_owner_mu;
+std::vector<int> g_owner_fds;
+
+void owner_fork_prepare() { g_owner_mu.lock(); }
+void owner_fork_parent() { g_owner_mu.unlock(); }
+void owner_fork_child() {
+  for (int fd : g_owner_fds) {
+    char self[64];
+    std::snprintf(self, sizeof(self), "/proc/self/fd/%d", fd);
+    int fresh = ::open(self, O_RDONLY | O_CLOEXEC);
+    if (fresh >= 0) {
+      dup3(fresh, fd, O_CLOEXEC);
+      close(fresh);
+    }
+  }
+  g_owner_mu.unlock();
+}
+
+void register_owner_fd(int fd) {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(owner_fork_prepare, owner_fork_parent, owner_fork_child); });
+  std::lock_guard<std::mutex> g(g_owner_mu);
+  g_owner_fds.push_back(fd);
+}
+
+void unregister_owner_fd(int fd) {
+  std::lock_guard<std::mutex> g(g_owner_mu);
+  for (auto it = g_owner_fds.begin(); it != g_owner_fds.end(); ++it) {
+    if (*it == fd) {
+      g_owner_fds.erase(it);
+      return;
+    }
+  }
+}
+
 }  // namespace
 
 uint64_t process_start_time(int pid) { return stat_of(pid, nullptr); }
@@ -244,7 +328,9 @@ MemInfoTracker::MemInfoTracker(MemInfoTracker&& o) noexcept
       size_(o.size_),
       stats_(o.stats_),
       guard_(o.guard_),
-      owner_(o.owner_) {
+      owner_(o.owner_),
+      lock_fd_(o.lock_fd_) {
+  o.lock_fd_ = -1;
   o.fd_ = -1;
   o.rec_ = nullptr;
   o.stats_ = nullptr;
@@ -255,6 +341,10 @@ MemInfoTracker::~MemInfoTracker() {
   mapping_guard::remove(guard_);
   if (rec_) munmap(rec_, size_);
   if (fd_ >= 0) close(fd_);
+  if (lock_fd_ >= 0) {
+    unregister_owner_fd(lock_fd_);
+    close(lock_fd_);  // the owner lock goes with it
+  }
 }
 
 bool MemInfoTracker::detached() const { return mapping_guard::lost(guard_); }
@@ -283,6 +373,7 @@ void reclaim_or_refuse(const std::string& name) {
       struct stat st;
       bool same = fstat(fd, &st) == 0 && st.st_ino == lst.st_ino && st.st_dev == lst.st_dev;
       ssize_t n = same ? pread(fd, buf, sizeof(buf), 0) : -1;
+      bool locked = same && owner_lock_held(fd);
       close(fd);
       if (!same) return;  // replaced meanwhile: create again
       uint64_t magic = 0;
@@ -297,6 +388,10 @@ void reclaim_or_refuse(const std::string& name) {
       if (record && process_alive(pid, start)) {
         invalid("record '" + name + "' belongs to live process " + std::to_string(pid) +
                 "; choose another KVCACHED_IPC_NAME or stop that instance");
+      }
+      if (locked) {
+        invalid("record '" + name + "' is held by a live process (its owner lock is taken, though the record is "
+                "damaged); choose another KVCACHED_IPC_NAME or stop that instance");
       }
     } else if (errno != ENOENT) {
       record = false;
@@ -373,7 +468,9 @@ MemInfoTracker MemInfoTracker::create(const std::string& name, const std::string
   std::atomic_thread_fence(std::memory_order_release);
   // The magic last: a reader never takes a record half made for one.
   reinterpret_cast<std::atomic<uint64_t>*>(&r->magic)->store(kMemInfoMagic, std::memory_order_release);
-  return MemInfoTracker(name, fd, r, kMemInfoV2Size, guard, true);
+  MemInfoTracker t(name, fd, r, kMemInfoV2Size, guard, true);
+  t.lock_fd_ = take_owner_lock(fd);
+  return t;
 }
 
 MemInfoTracker MemInfoTracker::open(const std::string& name) {
@@ -458,6 +555,8 @@ MemInfoSnapshot MemInfoTracker::snapshot() const {
   bool stat_ok = fstat(fd_, &st) == 0;
   if (stat_ok) s.owner_uid = st.st_uid;
   uid_t euid = geteuid();
+  s.owner_locked = owner_ || owner_lock_held(fd_);  // read first: a damaged record's owner still counts
+  s.owner_alive = s.owner_locked;
   if (detached()) {
     bad("the record file was truncated while mapped; this handle is detached from it");
     return s;
@@ -534,7 +633,7 @@ MemInfoSnapshot MemInfoTracker::snapshot() const {
     if (!in_range(f.second)) bad(std::string(f.first) + " = " + std::to_string(f.second) + " is out of range");
   }
   if (s.updated_ns < 0 || s.wanted_ns < 0) bad("a timestamp field is negative");
-  s.owner_alive = process_alive(s.owner_pid, s.owner_start_time);
+  s.owner_alive = s.owner_locked || process_alive(s.owner_pid, s.owner_start_time);
   if (size_ == kMemInfoV2Size) read_stats(s);
   return s;
 }
@@ -751,8 +850,11 @@ std::vector<std::string> list_mem_info_records() {
     if (fd < 0) continue;
     uint64_t magic = 0;
     struct stat st;
-    bool ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-              pread(fd, &magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) && magic == kMemInfoMagic;
+    bool reg = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+    bool ok = reg && pread(fd, &magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) && magic == kMemInfoMagic;
+    // A record truncated or overwritten under its live owner is still listed
+    // (as invalid): its owner's memory must not drop out of the budget.
+    ok = ok || (reg && owner_lock_held(fd));
     close(fd);
     if (ok) out.push_back(std::move(name));
   }
@@ -782,8 +884,13 @@ void delete_mem_info_record(const std::string& name, bool force) {
   struct stat st;
   bool same = fstat(fd, &st) == 0 && st.st_ino == lst.st_ino && st.st_dev == lst.st_dev;
   ssize_t n = pread(fd, buf, sizeof(buf), 0);
+  bool locked = same && owner_lock_held(fd);
   close(fd);
   if (!same) invalid("'" + name + "' was replaced while being deleted (a new instance?); nothing was deleted, retry");
+  if (locked && !force) {
+    invalid("instance '" + name + "' is alive (its owner lock is held; the record may be damaged); stop it first, or "
+            "pass --force");
+  }
   uint64_t magic = 0;
   if (n >= static_cast<ssize_t>(sizeof(magic))) std::memcpy(&magic, buf, sizeof(magic));
   if (magic != kMemInfoMagic) {
@@ -805,6 +912,16 @@ void delete_mem_info_record(const std::string& name, bool force) {
   if (::unlink(path.c_str()) != 0) {
     fail(ErrorKind::Backend, "could not delete /dev/shm/" + name + ": " + std::strerror(errno) + "; it is still there");
   }
+}
+
+bool record_owner_locked(const std::string& name) {
+  if (!valid_name(name.data(), name.size())) return false;
+  int fd = open_shm(name, O_RDONLY);
+  if (fd < 0) return false;
+  struct stat st;
+  bool held = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && owner_lock_held(fd);
+  close(fd);
+  return held;
 }
 
 }  // namespace kvcached

@@ -88,7 +88,12 @@ def problems(records: Sequence[RecordView]) -> List[str]:
     """One line per record that is invalid, busy or holds leaked memory, saying why."""
     out = []
     for r in records:
-        if r.problem:
+        if r.damaged:
+            out.append(
+                f"! {printable(r.name)}: damaged while its owner lives; budgets count it as holding all of its device "
+                f"until it is restarted: {printable(r.problem, 300)}"
+            )
+        elif r.problem:
             out.append(f"! {printable(r.name)}: invalid, ignored by budgets: {printable(r.problem, 300)}")
         elif r.busy:
             out.append(f"! {printable(r.name)}: busy: a limit write did not finish (limit and revision may not pair)")

@@ -27,6 +27,12 @@ note_shortage``) publishes the bytes it lacks in its record (renewed while it
 keeps missing, withdrawn by ``clear_want`` once it does not), and idle engines
 that see a current want (``wanting``) evict their cached pages.
 
+Damage fails closed: a record of this user whose owner lives (its owner
+lock is held: ``RecordView.alive``) but whose contents cannot be trusted
+(truncated, scribbled) counts as holding the whole budget, on every device,
+until its owner exits: what it maps is unknown, and counting it as 0 would let
+peers map over it. Each process logs that once per record.
+
 Scope: a budget counts only valid records of its own user (records are 0600;
 a record of another uid, even root's view of one, is never trusted: anyone can
 plant a file in /dev/shm). ``scope`` narrows a budget to the instances whose
@@ -37,10 +43,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Set, Tuple
 
 from kvcached import _C
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
@@ -55,6 +62,9 @@ _LOCK_DIR = "/dev/shm"
 # A published want is current this long: a short instance renews it while its
 # load keeps missing memory (every scheduling step that cannot place a request).
 WANT_TTL_S = 2.0
+
+logger = logging.getLogger(__name__)
+_warned_damaged: Set[Tuple[str, str]] = set()
 
 
 def gpu_utilization() -> float:
@@ -163,22 +173,42 @@ class DeviceBudget:
         """Live, valid records of this user on this device within the scope,
         except ``exclude``. Another user's records never count: anyone could
         plant one (budgets are per user, see the module doc)."""
+        return self._live(exclude)[0]
+
+    def damaged(self, exclude: Optional[str] = None) -> List[RecordView]:
+        """Records of this user within the scope, except ``exclude``, whose owner
+        lives but whose contents cannot be trusted (on any device: their device
+        field is not trusted either)."""
+        return self._live(exclude)[1]
+
+    def _live(self, exclude: Optional[str]) -> Tuple[List[RecordView], List[RecordView]]:
         uid = os.geteuid()
-        return [
+        ours = [
             r
             for r in list_records()
-            if r.alive
-            and r.valid
-            and r.owner_uid == uid
-            and r.device_type == self.device_type
-            and r.device_index == self.device_index
-            and r.name.startswith(self.scope)
-            and r.name != exclude
+            if r.alive and r.owner_uid == uid and r.name.startswith(self.scope) and r.name != exclude
         ]
+        valid = [
+            r for r in ours if r.valid and r.device_type == self.device_type and r.device_index == self.device_index
+        ]
+        return valid, [r for r in ours if r.damaged]
 
     def held_bytes(self, exclude: Optional[str] = None) -> int:
-        """Bytes the members hold (``max(granted, used + prealloc)`` each)."""
-        return sum(r.held for r in self.members(exclude))
+        """Bytes the members hold (``max(granted, used + prealloc)`` each), plus
+        the whole budget for each damaged live record (see the module doc)."""
+        valid, damaged = self._live(exclude)
+        for r in damaged:
+            if (r.name, r.problem) not in _warned_damaged:
+                _warned_damaged.add((r.name, r.problem))
+                logger.warning(
+                    "kvcached: the record of %s is damaged while its owner lives (%s); the device budget counts it "
+                    "as holding all %s of %s until that instance is restarted",
+                    r.name,
+                    r.problem,
+                    format_size(self.budget_bytes),
+                    self.device,
+                )
+        return sum(r.held for r in valid) + self.budget_bytes * len(damaged)
 
     def headroom(self, exclude: Optional[str] = None) -> int:
         """Bytes not held by any member but ``exclude`` (may be < 0 after a budget change)."""

@@ -508,13 +508,9 @@ class InstanceLimits:
         except Exception:
             pass
         _live.pop(self.name, None)
-        try:
-            cur = _C.MemInfoTracker.open(self.name).snapshot()
-        except _C.KvcachedError:
-            return  # already deleted (kvctl delete --force)
-        mine = self._tracker.snapshot()
-        if cur.owner_pid == mine.owner_pid and cur.owner_start_time == mine.owner_start_time:
-            self._tracker.unlink()
+        # Only the file this tracker maps (a successor may hold the name after a
+        # `kvctl delete --force`), damaged or not: a truncated one goes too.
+        self._tracker.unlink()
 
     def __enter__(self) -> InstanceLimits:
         return self

@@ -152,6 +152,12 @@ class RecordView:
         return not self.problem
 
     @property
+    def damaged(self) -> bool:
+        """This user's record whose owner lives (its owner lock is held) but whose
+        contents cannot be trusted: budgets count it as holding everything."""
+        return bool(self.problem) and self.alive and self.owner_uid == os.geteuid()
+
+    @property
     def mapped(self) -> int:
         """Bytes of physical memory the instance holds now."""
         return self.used + self.prealloc
@@ -183,10 +189,12 @@ class RecordView:
 
     @property
     def state(self) -> str:
-        """``invalid`` (see ``problem``), ``busy``, ``dead``, ``pending`` (live,
-        latest limit not yet enforced) or ``alive``."""
+        """``damaged`` (see ``problem``; its owner lives, so budgets count it as
+        holding everything), ``invalid`` (see ``problem``; no live owner),
+        ``busy``, ``dead``, ``pending`` (live, latest limit not yet enforced) or
+        ``alive``."""
         if self.problem:
-            return "invalid"
+            return "damaged" if self.damaged else "invalid"
         if self.busy:
             return "busy"
         if not self.alive:
@@ -247,9 +255,11 @@ class RecordView:
 
     @classmethod
     def unreadable(cls, name: str, problem: str, owner_uid: int = -1) -> RecordView:
-        """A file that looks like a record but cannot be opened as one."""
+        """A file that looks like a record but cannot be opened as one (alive
+        while a process holds its owner lock: a live owner's damaged record)."""
         return cls(
-            name=name, engine="", device="?", device_type=-1, device_index=0, owner_pid=0, alive=False,
+            name=name, engine="", device="?", device_type=-1, device_index=0, owner_pid=0,
+            alive=_C.record_owner_locked(name),
             revision=0, applied_revision=0, limit=0, used=0, prealloc=0, total=0, granted=0, device_bytes=0,
             updated_ns=0, owner_uid=owner_uid, problem=problem,
         )  # fmt: skip

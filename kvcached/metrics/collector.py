@@ -21,7 +21,7 @@ from kvcached.limits.records import RecordView, list_records
 
 # Not "instance": Prometheus sets that label to the scrape target (host:port).
 INSTANCE_LABELS = ["name", "engine", "device"]
-STATES = ("alive", "pending", "dead", "busy", "invalid")
+STATES = ("alive", "pending", "dead", "busy", "invalid", "damaged")
 
 # (metric suffix, help, value of a record); the value is read only for
 # records whose numbers are trusted (valid ones).

@@ -151,7 +151,8 @@ struct MemInfoSnapshot {
   int device_index = 0;
   int owner_pid = 0;
   uint64_t owner_start_time = 0;
-  bool owner_alive = false;
+  bool owner_alive = false;   // the owner lock is held, or owner_pid/start time name a live process
+  bool owner_locked = false;  // the owner's liveness lock is held (true in the owner itself)
   uint32_t revision = 0;
   int64_t limit = 0;
   int64_t used = 0;
@@ -247,11 +248,18 @@ class MemInfoTracker {
   MemInfoStats* stats_ = nullptr;  // the block of a version-2 record whose header checks passed
   int guard_ = -1;      // SIGBUS guard slot of the mapping (-1: none)
   bool owner_ = false;  // made by create(): the file must stay ours
+  // The owner's liveness lock lives on its own open file description, never
+  // mapped: a mapping (inherited by fork, too) would keep the description,
+  // and the lock, alive after the owner's death.
+  int lock_fd_ = -1;
 };
 
 // Names of files in /dev/shm that start with the record magic and are
 // readable by this user (a name kvcached could not have made is skipped).
 std::vector<std::string> list_mem_info_records();
+// Whether a live process holds the owner lock of /dev/shm/<name>, whatever the
+// file now contains (a truncated record's owner still holds it).
+bool record_owner_locked(const std::string& name);
 // Alive: the pid exists with this start time (0: any) and has not exited
 // (an exited, unreaped zombie holds no memory and counts as dead).
 bool process_alive(int pid, uint64_t start_time);
