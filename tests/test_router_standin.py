@@ -10,6 +10,7 @@ Started through ``standin_python(tmp_path)``: an executable that takes the
 router's engine command line (``-m vllm.entrypoints...``/``--port`` ...).
 Environment: ``STANDIN_START_DELAY`` seconds before it listens;
 ``STANDIN_FAIL_FILE``: while that file exists the process exits 3 at start;
+``STANDIN_BIND_GATE``: it listens only once that file exists;
 ``STANDIN_GATE``: a stream's second event waits until ``POST /open_gate``;
 a request whose prompt is ``crash`` kills the process before it answers (after a
 line in ``STANDIN_CRASH_LOG``, when set).
@@ -123,6 +124,8 @@ def main(argv) -> None:
     port = int(argv[argv.index("--port") + 1])
     _State.name = argv[argv.index("--served-model-name") + 1]
     time.sleep(float(os.environ.get("STANDIN_START_DELAY", "0")))
+    while os.environ.get("STANDIN_BIND_GATE") and not os.path.exists(os.environ["STANDIN_BIND_GATE"]):
+        time.sleep(0.05)  # the test has its port until then
     # A listen queue like the real engines' servers (uvicorn: 2048), not socketserver's 5:
     # the router forwards a burst's requests at once.
     server = ThreadingHTTPServer(("127.0.0.1", port), _Handler, bind_and_activate=False)

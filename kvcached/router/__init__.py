@@ -8,7 +8,9 @@ and wakes them on demand. docs/ROUTER.md describes the config and behaviour.
 Modules: ``config`` (the file), ``engines`` (command lines, environment, sleep
 endpoints), ``supervisor`` (one engine's process and state), ``sleep`` (the
 ways to sleep), ``router`` (supervision loop, idle policy, transitions),
-``proxy`` (HTTP), ``metrics`` (``/metrics``), ``server`` and ``cli`` (entry).
+``proxy`` (HTTP), ``peer_check`` (a connection reaches the engine the router
+started, not whoever took its port) over ``tcp_table`` (the kernel's sockets),
+``metrics`` (``/metrics``), ``server`` and ``cli`` (entry).
 """
 
 from kvcached.router.config import ConfigError, ModelSpec, RouterConfig, load_config, parse_config

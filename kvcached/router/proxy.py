@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Optional
 
 from kvcached.http_guard import DEADLINES, ConnectionCap, cut
+from kvcached.router.peer_check import CheckedConnection, EngineSockets, NotTheEngine
 from kvcached.router.router import Router
 
 log = logging.getLogger("kvcached.router")
@@ -44,6 +45,7 @@ MAX_INFLIGHT_BODY = 256 << 20
 # What _forward returns when there is no HTTP status to pass on.
 NOT_REACHED = -1  # the engine's process never read the request: it may be sent again after a restart
 NO_ANSWER = 0  # the engine had the request and stopped without answering: never sent again
+NOT_OURS = -2  # another process holds the engine's port: nothing was sent (docs/SECURITY.md H8)
 # Connection-level headers are not forwarded (RFC 9110 7.6.1); lengths are set anew.
 HOP_BY_HOP = {
     "connection",
@@ -134,8 +136,12 @@ class RouterServer(ConnectionCap, ThreadingHTTPServer):
 class RouterHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kvcached-router"
+    # Headers, body and each streamed chunk are separate writes: with Nagle on, each
+    # waited for the client's delayed ACK (40 ms a request; python -m kvcached.bench router).
+    disable_nagle_algorithm = True
     server: RouterServer
     timeout = CLIENT_TIMEOUT_S  # each read from or write to the client
+    _not_ours: NotTheEngine  # why _forward returned NOT_OURS
 
     def handle_one_request(self) -> None:
         # The deadline of this request's arrival; read_done() ends it once the body is in.
@@ -272,15 +278,25 @@ class RouterHandler(BaseHTTPRequestHandler):
                     extra={"Retry-After": "10"},
                 )
                 return
+            host, port, sockets = engine.endpoint()
             try:
-                status = self._forward(model, engine.host, engine.port, body)
+                status = self._forward(model, host, port, sockets, body)
             finally:
                 router.release(model)
             # The engine was gone before the request reached it: wait for its restart once.
             # A request it had received is never sent again: it may be what stopped it.
             if status != NOT_REACHED or attempt == 1 or not engine.check_exited():
                 break
-        if status == NO_ANSWER:
+        if status == NOT_OURS:
+            engine.refused(sockets, self._not_ours)  # logged there, with the port and who holds it
+            router.metrics.request(model, 502)
+            self._error(
+                502,
+                f"the engine of model {model!r} is not reachable: another process holds its port; "
+                "nothing was sent to it (the router's log names it)",
+                "bad_gateway",
+            )
+        elif status == NO_ANSWER:
             engine.check_exited(wait_s=1.0)  # a crash: restarted now, not at the next health check
             router.metrics.request(model, 502)
             self._error(
@@ -293,16 +309,23 @@ class RouterHandler(BaseHTTPRequestHandler):
             router.metrics.request(model, 502)
             self._error(502, f"the engine of model {model!r} did not answer", "bad_gateway")
 
-    def _forward(self, model: str, host: str, port: int, body: bytes) -> int:
+    def _forward(self, model: str, host: str, port: int, sockets: Optional[EngineSockets], body: bytes) -> int:
         """Sends the request on and streams the answer back; its status, NOT_REACHED when
         the engine's process did not read it (no connection, or reset unread), NO_ANSWER
-        when it read it and gave no status (nothing was sent to the client then, nor counted)."""
+        when it read it and gave no status (nothing was sent to the client then, nor counted),
+        NOT_OURS when the connection reached another process (nothing sent; ``_not_ours``)."""
+        if sockets is None:  # never started
+            return NOT_REACHED
         headers = forwarded_headers(self.headers)
         headers["Content-Length"] = str(len(body))
-        conn = http.client.HTTPConnection(host, port, timeout=self.server.router.config.request_timeout_s)
+        # Checked once connected, before the request goes out: the port may be someone else's.
+        conn = CheckedConnection(host, port, sockets, self.server.router.config.request_timeout_s)
         try:
             try:
                 conn.connect()
+            except NotTheEngine as e:
+                self._not_ours = e
+                return NOT_OURS
             except OSError:
                 return NOT_REACHED
             try:

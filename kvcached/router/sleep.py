@@ -99,7 +99,8 @@ class EngineSleep(SleepMode):
     def _call(self, engine: ModelEngine, which: int, timeout: float) -> None:
         method, path, body = SLEEP_CALLS[engine.spec.engine][which]
         data = None if body is None else json.dumps(body).encode()
-        status = http_call(engine.host, engine.port, method, path, data, timeout=timeout)
+        host, port, sockets = engine.endpoint()
+        status = http_call(host, port, method, path, data, timeout=timeout, sockets=sockets)
         if status != 200:
             raise SleepError(f"{method} {path} answered {status or 'nothing'}")
 

@@ -23,11 +23,12 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from kvcached.router.config import ModelSpec
 from kvcached.router.engines import engine_command, engine_env
 from kvcached.router.logfiles import open_log
+from kvcached.router.peer_check import CheckedConnection, EngineSockets, NotTheEngine
 
 log = logging.getLogger("kvcached.router")
 
@@ -51,15 +52,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def http_call(host: str, port: int, method: str, path: str, body: Optional[bytes] = None, timeout: float = 5.0) -> int:
-    """One small request to an engine; its status (0: no answer)."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+def http_call(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    body: Optional[bytes] = None,
+    timeout: float = 5.0,
+    sockets: Optional[EngineSockets] = None,
+) -> int:
+    """One small request to an engine; its status (0: no answer). With ``sockets``, the
+    connection is checked to reach that engine first (NotTheEngine raised when not)."""
+    if sockets is None:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    else:
+        conn = CheckedConnection(host, port, sockets, timeout)
     try:
         headers = {"Content-Type": "application/json"} if body is not None else {}
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         resp.read()
         return resp.status
+    except NotTheEngine:
+        raise
     except (OSError, http.client.HTTPException):
         return 0
     finally:
@@ -93,6 +108,9 @@ class ModelEngine:
         self.stop_timeout_s = stop_timeout_s
         self.cond = threading.Condition()
         self.proc: Optional[subprocess.Popen] = None
+        # Checks that a connection to the port reaches this process (one per start).
+        self.sockets: Optional[EngineSockets] = None
+        self._refused: Optional[EngineSockets] = None  # the start whose port was found taken
         self.state = STOPPED
         self.inflight = 0
         self.waiting = 0
@@ -131,6 +149,7 @@ class ModelEngine:
                     start_new_session=True,
                 )
             self.port = port
+            self.sockets = EngineSockets(self.proc.pid)
             self.started_at = time.monotonic()
             self.health_failures = 0
             self._set(state)
@@ -155,8 +174,28 @@ class ModelEngine:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def endpoint(self) -> Tuple[str, int, Optional[EngineSockets]]:
+        """Host, port and the check of the current start, read together."""
+        with self.cond:
+            return self.host, self.port, self.sockets
+
     def healthy(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
-        return self.alive() and http_call(self.host, self.port, "GET", "/health", timeout=timeout) == 200
+        """Whether the engine answers ``/health``; NotTheEngine when another process holds its port."""
+        host, port, sockets = self.endpoint()
+        return self.alive() and http_call(host, port, "GET", "/health", timeout=timeout, sockets=sockets) == 200
+
+    def refused(self, sockets: Optional[EngineSockets], err: NotTheEngine) -> None:
+        """A connection to the port of the start ``sockets`` reached another process: nothing
+        was sent to it. Handled like a failed start (restart, on a new port unless one is
+        configured); logged once per start."""
+        with self.cond:
+            if sockets is None or sockets is not self.sockets or self._refused is sockets:
+                return  # an older start, or already handled
+            if self.state not in (STARTING, READY):
+                return  # sleeping and waking fail (and restart) on their own
+            self._refused = sockets
+        log.error("%s: %s", self.name, err)
+        self.crashed(f"lost port {err.port} to another process")
 
     def wait_healthy(self, timeout: float) -> bool:
         """Polls ``/health`` until it answers 200, the process exits, or ``timeout``."""
@@ -234,6 +273,12 @@ class ModelEngine:
         """One round of supervision (the monitor thread): health, crash, restart."""
         with self.cond:
             state, proc = self.state, self.proc
+        try:
+            self._tick(state, proc)
+        except NotTheEngine as e:
+            self.refused(e.sockets, e)
+
+    def _tick(self, state: str, proc: Optional[subprocess.Popen]) -> None:
         if state == STARTING:
             if proc is None or proc.poll() is not None:
                 self.crashed("exited while starting")
