@@ -11,4 +11,5 @@ BENCHMARKS = {
     "attention": "GPU decode attention over elastic vs native KV per layout, and map throughput",
     "sglang": "SGLang throughput and TTFT with and without kvcached, in one run",
     "vllm": "vLLM output tokens/s and TTFT with and without kvcached, in one run",
+    "router": "latency and throughput the router adds in front of an engine (kvcached serve vs direct)",
 }

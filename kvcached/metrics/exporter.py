@@ -31,6 +31,7 @@ METRICS_PATH = "/metrics"
 
 class _Handler(WSGIRequestHandler):
     timeout = REQUEST_TIMEOUT_S  # the socket timeout of each connection
+    disable_nagle_algorithm = True  # headers and body are separate writes (see kvcached.router.proxy)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass  # a scrape every few seconds would flood the log
