@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable, List, Set, Tuple
@@ -37,6 +39,17 @@ class ConnectionCap:
             super().process_request_thread(request, client_address)  # type: ignore[misc]
         finally:
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up, resets or is cut at its deadline is no error (socketserver
+        printed a traceback to stderr for each: anyone could fill it); anything else is a bug,
+        logged with its traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return
+        logging.getLogger("kvcached.http").error(
+            "handling a request from %s failed: %r", client_address, exc, exc_info=True
+        )
 
 
 def cut(conn: socket.socket) -> None:

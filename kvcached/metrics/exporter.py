@@ -32,6 +32,7 @@ METRICS_PATH = "/metrics"
 class _Handler(WSGIRequestHandler):
     timeout = REQUEST_TIMEOUT_S  # the socket timeout of each connection
     disable_nagle_algorithm = True  # headers and body are separate writes (see kvcached.router.proxy)
+    default_request_version = "HTTP/1.1"  # a status line even for an unparsable request line
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass  # a scrape every few seconds would flood the log

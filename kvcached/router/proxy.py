@@ -139,6 +139,9 @@ class RouterHandler(BaseHTTPRequestHandler):
     # Headers, body and each streamed chunk are separate writes: with Nagle on, each
     # waited for the client's delayed ACK (40 ms a request; python -m kvcached.bench router).
     disable_nagle_algorithm = True
+    # An unparsable request line was answered HTTP/0.9-style (a bare HTML body, no
+    # status line): a client gets "HTTP/1.1 400" instead (tests/test_fault_campaign_edges.py).
+    default_request_version = "HTTP/1.1"
     server: RouterServer
     timeout = CLIENT_TIMEOUT_S  # each read from or write to the client
     _not_ours: NotTheEngine  # why _forward returned NOT_OURS
