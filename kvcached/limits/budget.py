@@ -49,15 +49,12 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Set, Tuple
 
-from kvcached import _C
+from kvcached import _C, config
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits.records import RecordView, device_name, list_records, parse_device
-from kvcached.limits.units import format_size, parse_size
+from kvcached.limits.units import format_size
 from kvcached.limits.user_lock import UserLock
 
-ENV_GPU_UTILIZATION = "KVCACHED_GPU_UTILIZATION"
-ENV_HOST_BUDGET = "KVCACHED_HOST_MEMORY_BUDGET"
-DEFAULT_GPU_UTILIZATION = 0.95
 _LOCK_DIR = "/dev/shm"
 # A published want is current this long: a short instance renews it while its
 # load keeps missing memory (every scheduling step that cannot place a request).
@@ -67,39 +64,20 @@ logger = logging.getLogger(__name__)
 _warned_damaged: Set[Tuple[str, str]] = set()
 
 
-def gpu_utilization() -> float:
-    """``KVCACHED_GPU_UTILIZATION`` as a fraction in (0, 1]; raises ValueError naming the fix."""
-    raw = os.environ.get(ENV_GPU_UTILIZATION, "")
-    if not raw:
-        return DEFAULT_GPU_UTILIZATION
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_GPU_UTILIZATION}={raw!r} is not a number; use a fraction such as 0.9") from None
-    if not 0.0 < v <= 1.0:
-        raise ValueError(f"{ENV_GPU_UTILIZATION}={raw!r} is outside (0, 1]; use a fraction such as 0.9")
-    return v
-
-
 def usable_device_bytes(device: str) -> int:
-    """Usable bytes of ``device`` per the environment (see the module docstring).
+    """Usable bytes of ``device`` per the environment (see the module docstring;
+    kvcached.config reads and checks the variables).
 
     Asks the backend for the device's memory size unless
     ``KVCACHED_HOST_MEMORY_BUDGET`` answers for the host.
     """
     dev_type, _ = parse_device(device)
     if dev_type == 0:
-        raw = os.environ.get(ENV_HOST_BUDGET, "")
-        if raw:
-            try:
-                n = parse_size(raw)
-            except ValueError as e:
-                raise ValueError(f"{ENV_HOST_BUDGET}: {e}") from None
-            if n <= 0:
-                raise ValueError(f"{ENV_HOST_BUDGET}={raw!r} must be a positive size such as 8G")
+        n = config.host_memory_budget()
+        if n is not None:
             return n
     total = int(_C.backend_info(device)["total_bytes"])
-    return int(total * gpu_utilization())
+    return int(total * config.gpu_utilization())
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ Shapes: ``q`` (batch, heads, dim); ``k_cache``/``v_cache`` (num_blocks,
 block_size, kv_heads, dim) with unit stride on ``dim``; ``block_table``
 (batch, max_blocks) int32; ``seq_lens`` (batch,) int32. Returns (batch, heads,
 dim) in float32. One program per (sequence, head); online softmax over blocks.
+
+Not used by serving (the engines bring their own kernels): it is the kernel of
+``python -m kvcached.bench attention`` and tests/test_gpu_attention.py, which
+prove that elastic KV reads the same as native memory under a real kernel.
 """
 
 from __future__ import annotations

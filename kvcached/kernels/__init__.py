@@ -1,1 +1,0 @@
-"""GPU kernels used to prove and measure elastic KV (Triton; imported lazily)."""
