@@ -169,8 +169,9 @@ VARIABLES: Tuple[Var, ...] = (
         name="KVCACHED_IPC_TIMEOUT",
         type="float",
         default="10",
-        meaning="seconds one TP request may take before the coordinator treats the rank as not answering "
-        "(recovery gets 3x); `0` or less (upstream: no timeout) waits up to 3600 s, never forever",
+        meaning="seconds one TP request may take before the coordinator treats a live rank as not answering "
+        "(recovery gets 3x); a rank whose worker process died is reported at once; `0` or less (upstream: no "
+        "timeout) waits up to 3600 s, never forever",
     ),
     Var(
         name="KVCACHED_PP_SIZE",

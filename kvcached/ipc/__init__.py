@@ -12,7 +12,8 @@ Modules, one concern each:
   faults       test-only fault injection in the listener (KVCACHED_IPC_FAULT_INJECT)
   executor     the worker-side operations (vmm_ops) and the map transaction history
   listener     WorkerListener: one per worker process
-  peer         the coordinator's connection to one worker (connect, send, recv)
+  liveness     whether a worker process still exists (pidfd, /proc start time)
+  peer         the coordinator's connection to one worker (connect, send, recv, death)
   coordinator  TPCoordinator: atomic MAP with rollback, two-phase UNMAP, fail closed
 
 ``kvcached.tp_ipc_util`` is the entry module with the upstream names.

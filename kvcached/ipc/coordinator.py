@@ -23,10 +23,19 @@ aborted, so a late PREPARE is refused. The caller gets the PREPARE's error and
 every page is still mapped on every rank.
 
 Fail closed: when a rollback, abort or commit cannot be confirmed within the
-recovery time (RECOVERY_FACTOR x KVCACHED_IPC_TIMEOUT), or a rank reports
+recovery time (RECOVERY_FACTOR x KVCACHED_IPC_TIMEOUT) or at all (the rank's
+worker process died: its mapping state went with it), or a rank reports
 StateConsistencyError, the offsets are quarantined, StateConsistencyError is
 raised, and every later map/unmap is refused with a message saying why. Only
 ``query``/``tx_outcome`` (diagnostics) still work.
+
+Dead ranks (kvcached.ipc.peer): a rank whose worker process is known to have
+exited is reported at once ("its worker process (pid N) died"), by the call
+that finds it: no reconnect wait, no reply wait, no recovery retries. Only a
+live rank, busy or stopped, gets the full timeouts. A request that certainly
+did not reach the dead rank (it died between calls) fails like a rank without
+listener: BackendError, the others rolled back or aborted. One it may have
+reached fails closed, as the dead rank cannot confirm the rollback or abort.
 
 Threading: calls are serialised by one lock (the connections carry one request
 per rank at a time). No log line per call: only anomalies are logged.
@@ -48,7 +57,7 @@ from kvcached._C import (
 )
 from kvcached.errors import InvalidArgumentError
 from kvcached.ipc import paths, protocol, settings
-from kvcached.ipc.peer import Closed, Lost, NoReply, Peer
+from kvcached.ipc.peer import Closed, Died, Lost, NoReply, Peer
 from kvcached.ipc.protocol import Cmd, ProtocolError, WorkerState
 
 log = logging.getLogger("kvcached.ipc")
@@ -72,7 +81,8 @@ class TPCoordinator:
 
     ``tp_size`` workers per stage; stages ``range(pp_size)`` when ``pp_rank`` is -1
     (pp_size defaults to KVCACHED_PP_SIZE), else only stage ``pp_rank``.
-    Connections are opened on first use (workers may still be starting) and kept.
+    Connections are opened on first use and kept; a socket that nobody answered
+    on yet is waited for up to LISTENER_WAIT_S (within the request timeout).
     """
 
     def __init__(
@@ -100,8 +110,17 @@ class TPCoordinator:
         )
         stages = range(pp_size) if pp_rank == -1 else [pp_rank]
         self._rid = 0
+        listener_wait = min(self.timeout, settings.LISTENER_WAIT_S)
         self._peers = [
-            Peer(r, k, paths.socket_path(r, k, self.ipc_name), self.timeout, settings.ipc_spin_s(), self._next_rid)
+            Peer(
+                r,
+                k,
+                paths.socket_path(r, k, self.ipc_name),
+                self.timeout,
+                settings.ipc_spin_s(),
+                self._next_rid,
+                listener_wait,
+            )
             for k in stages
             for r in range(self.tp_size)
         ]
@@ -225,18 +244,20 @@ class TPCoordinator:
         rid = self._next_rid()
         data = protocol.frame(cmd, rid, body)  # same id on resends: any answer counts
         pending: Dict[Peer, bool] = {}
+        failures: Dict[Peer, str] = {}
         for p in peers:
             try:
                 if p.sock is None:
                     p.connect(min(deadline, time.monotonic() + self.timeout))
                 p.send(data)
                 pending[p] = True
+            except Died as e:
+                failures[p] = str(e)  # a dead process cannot confirm anything: no retries
             except Lost:
                 pending[p] = False
-        failures: Dict[Peer, str] = {}
         # Collect where the request went out first: a dead rank's reconnect loop
         # must not eat the time in which the others' answers are read.
-        for p in sorted(peers, key=lambda q: not pending[q]):
+        for p in sorted((q for q in peers if q not in failures), key=lambda q: not pending[q]):
             while True:
                 try:
                     if not pending[p]:
@@ -251,6 +272,9 @@ class TPCoordinator:
                         break
                     pending[p] = False  # resend on the same connection
                     continue
+                except Died as e:
+                    failures[p] = str(e)
+                    break
                 except Lost as e:
                     if time.monotonic() >= deadline:
                         failures[p] = f"unreachable for {self.recovery_timeout:g} s ({e})"
@@ -401,7 +425,7 @@ class TPCoordinator:
         with self._lock:
             self._closed = True
             for p in self._peers:
-                p.close()
+                p.release()
 
     def __enter__(self) -> TPCoordinator:
         return self

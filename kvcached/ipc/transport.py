@@ -15,6 +15,9 @@ the scheduler waits for the replies synchronously anyway, and polling for up to
 ``spin_s`` before sleeping in poll() saves a sleep/wake-up per reply, which on a
 VM costs an IPI and a VM exit (measured here: TP=1 round trip 65 -> 26 us). The
 spin is bounded, so a slow worker costs a few tens of microseconds of CPU, not more.
+A non-blocking reader may also ``watch`` the peer's pidfd (kvcached.ipc.liveness):
+its wait then ends with ``PeerExited`` as soon as that process is gone, even when
+the connection stays open (a forked child holding the socket).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ _CHUNK = 64 * 1024
 
 class ConnectionClosed(Exception):
     """The peer closed the connection between frames (an orderly end)."""
+
+
+class PeerExited(Exception):
+    """The watched process ended while nothing (more) was there to read."""
 
 
 def peer_credentials(sock: socket.socket) -> Tuple[int, int, int]:
@@ -90,10 +97,16 @@ class FrameReader:
         self._nonblocking = nonblocking
         self._spin_s = spin_s
         self.in_frame = False  # a frame has started and is not complete yet (read by the listener's eviction)
+        self._watch: Optional[int] = None
         if nonblocking:
             sock.setblocking(False)
             self._poll = select.poll()
             self._poll.register(sock.fileno(), select.POLLIN)
+
+    def watch(self, pidfd: int) -> None:
+        """Ends waits with PeerExited once ``pidfd``'s process has exited (non-blocking mode)."""
+        self._watch = pidfd
+        self._poll.register(pidfd, select.POLLIN)
 
     def read(self, first_timeout: Optional[float], rest_timeout: Optional[float]):
         """The next frame as (cmd, req_id, body); ``body`` is bytes or a bytearray.
@@ -201,10 +214,14 @@ class FrameReader:
                 if left <= 0:
                     raise TimeoutError(f"no data within {timeout} s")
                 ms = max(1, int(left * 1000 + 0.999))
-            if self._poll.poll(ms):
+            events = self._poll.poll(ms)
+            if events:
                 try:
                     return sock.recv_into(into)
                 except BlockingIOError:
+                    # Data sent before the exit was read above: only now is the peer gone.
+                    if any(fd == self._watch for fd, _ in events):
+                        raise PeerExited() from None
                     continue  # spurious wake-up
 
     def send(self, data: bytes, timeout: Optional[float]) -> None:
