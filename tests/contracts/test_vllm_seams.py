@@ -40,6 +40,8 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
+from kvcached.integration.vllm import profile as vllm_profile
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
@@ -69,8 +71,8 @@ from seam_ast import (  # noqa: E402
     subclass,
 )
 
-# The newest patch release of each minor (pip index versions vllm).
-VERSIONS = ["0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
+# The newest patch release of each supported minor: the profile's (kvcached/integration/vllm/profile.py).
+VERSIONS = vllm_profile.sources()
 
 BP = "vllm.v1.core.block_pool"
 COORD = "vllm.v1.core.kv_cache_coordinator"
