@@ -7,7 +7,8 @@
 # the exit status is non-zero when any version failed.
 # Usage: bash scripts/test_engines_sglang.sh [pytest args]
 # Env: KVCACHED_SGLANG_VERSIONS  sglang versions, the oldest and the newest supported
-#                                (default "0.5.15 0.5.23")
+#                                (default: the `ci` releases of kvcached/integration/sglang/profile.py,
+#                                now "0.5.15 0.5.23")
 #      KVCACHED_ENGINE_VENVS     where the per-version venvs are cached, outside the clone
 #                                (default ~/.cache/kvcached/venvs; each is sglang-<version>,
 #                                made by scripts/setup_sglang_venv.sh when absent or
@@ -24,7 +25,8 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT="$(pwd)"
 step() { printf '[engines-sglang %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
-read -r -a VERSIONS <<<"${KVCACHED_SGLANG_VERSIONS:-0.5.15 0.5.23}"
+# Default: the profile's CI releases (kvcached/integration/sglang/profile.py: standard library only).
+read -r -a VERSIONS <<<"${KVCACHED_SGLANG_VERSIONS:-$(python3 kvcached/integration/sglang/profile.py ci)}"
 if [[ ${#VERSIONS[@]} -eq 0 ]]; then
   echo "[engines-sglang] KVCACHED_SGLANG_VERSIONS is empty" >&2
   exit 2

@@ -33,6 +33,8 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
+from kvcached.integration.sglang import profile as sglang_profile
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
@@ -679,7 +681,7 @@ CLASSES: Dict[str, List[Item]] = {
 # ----------------------------------------------------------------- sources
 
 # Every release of the supported range, newest patch of 0.5.15 too (pip index versions sglang).
-VERSIONS = ["0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
+VERSIONS = list(sglang_profile.RELEASES)  # every supported release (kvcached/integration/sglang/profile.py)
 
 _engine_sources = None
 _trees: Dict[str, Tree] = {}

@@ -1,9 +1,12 @@
-"""The SGLang patches, one per seam, each with the SGLang versions it is written for.
+"""The SGLang patches, one per seam, each with the seam shape it is written for.
 
-Supported: SGLang 0.5.15-0.5.23. 0.5.15 and 0.5.23 run for real in CI (CPU);
-every release in between is proven from its source: each contract of each patch
-in range holds there (tests/contracts/test_sglang_seams.py). The seam x version
-table with file:line evidence is docs/notes/sglang_seams.md.
+Supported: the releases of ``profile.RELEASES`` (SGLang 0.5.15-0.5.23). Each
+patch names the shape of the seam it needs (``profile.Seams``); its version
+range and the releases where its contract is known to break (``KNOWN_BREAKS``)
+follow from the profile. The profile's CI releases (0.5.15 and 0.5.23) run for
+real in CI (CPU); every release in between is proven from its source: each
+contract of each patch in range holds there (tests/contracts/test_sglang_seams.py).
+The seam x version table with file:line evidence is docs/notes/sglang_seams.md.
 
   seam                     0.5.15          0.5.16-0.5.18   0.5.19-0.5.20   0.5.21   0.5.22-0.5.23
   refuse conflicts         __post_init__   __post_init__   resolve_once    resolve_once ...
@@ -32,25 +35,28 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
-from kvcached.integration.patch_base import BasePatch, VersionRange, wrap_method
+from kvcached.integration.patch_base import BasePatch, VersionRange, parse_version, wrap_method
+from kvcached.integration.sglang import profile
+from kvcached.integration.sglang.profile import Needs
 
-SUPPORTED = VersionRange.parse(">=0.5.15,<0.5.24")
-ALL = SUPPORTED
-# Where the pools and allocators are built: ModelRunnerKVCacheMixin._init_pools (0.5.15),
-# then KVCacheConfigurator (0.5.16+).
-V0515 = VersionRange.parse(">=0.5.15,<0.5.16")
-CONFIGURATOR = VersionRange.parse(">=0.5.16,<0.5.24")
-# ServerArgs validation: __post_init__ until 0.5.18, resolve_once from 0.5.19.
-POST_INIT = VersionRange.parse(">=0.5.15,<0.5.19")
-RESOLVE_ONCE = VersionRange.parse(">=0.5.19,<0.5.24")
-# Pool class: module-level names until 0.5.21, _resolve_kv_pool_class from 0.5.22.
-POOL_NAMES = VersionRange.parse(">=0.5.16,<0.5.22")
-POOL_RESOLVER = VersionRange.parse(">=0.5.22,<0.5.24")
-# Admission read from available_size() in the scheduler: prefill until 0.5.20, decode until 0.5.18.
-PREFILL_ADDER = VersionRange.parse(">=0.5.15,<0.5.21")
-DECODE_MEM = VersionRange.parse(">=0.5.15,<0.5.19")
-# Hybrid sliding-window models: the composite's admission needs SWAPrefillBudget (0.5.21+).
-SWA = VersionRange.parse(">=0.5.21,<0.5.24")
+
+def _range(needs: Needs) -> VersionRange:
+    """The versions of the supported releases with the shape ``needs`` (they must be consecutive)."""
+    releases = profile.releases_where(needs)
+    every = list(profile.RELEASES)
+    i = every.index(releases[0]) if releases else 0
+    if not releases or every[i : i + len(releases)] != releases:
+        raise ValueError(f"the releases with {needs} are not consecutive: {releases}")
+    after = every[i + len(releases)] if i + len(releases) < len(every) else None
+    if after is None:  # the newest: up to the next patch release
+        v = parse_version(releases[-1])
+        after = f"{v[0]}.{v[1]}.{v[2] + 1}"
+    return VersionRange.parse(f">={releases[0]},<{after}")
+
+
+SUPPORTED = _range(None)
+# The shapes other modules and tests ask about.
+SWA = _range(("swa", "budget"))
 
 MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
 CONFIGURATOR_MOD = "sglang.srt.mem_cache.kv_cache_configurator"
@@ -347,101 +353,85 @@ def _scheduler(mod: ModuleType) -> None:
     cls.kvcached_report = sh.kvcached_report
 
 
-def all_patches() -> List[BasePatch]:
-    p = BasePatch
+# The seam a patch's contract reads, where it is not the one the patch needs: the
+# SWA builder's contract holds wherever the configurator builds (0.5.16+).
+_CONTRACT_SEAM: Dict[str, Needs] = {"sglang-swa-builder": ("builder", "configurator")}
+
+
+def _specs() -> List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]]:
+    p = _spec
     return [
-        p("sglang-conflicts-post-init", "sglang.srt.server_args", POST_INIT, _conflicts("__post_init__"),
+        p("sglang-conflicts-post-init", "sglang.srt.server_args", ("validate", "post_init"),
+          _conflicts("__post_init__"),
           "refuse SGLang features that own or re-address the KV memory (ServerArgs.__post_init__)"),
-        p("sglang-conflicts", "sglang.srt.server_args", RESOLVE_ONCE, _conflicts("resolve_once"),
+        p("sglang-conflicts", "sglang.srt.server_args", ("validate", "resolve_once"), _conflicts("resolve_once"),
           "refuse SGLang features that own or re-address the KV memory (ServerArgs.resolve_once)"),
-        p("sglang-capacity-0.5.15", MIXIN, V0515, _capacity("ModelRunnerKVCacheMixin", "handle_max_mamba_cache"),
+        p("sglang-capacity-0.5.15", MIXIN, ("builder", "mixin"),
+          _capacity("ModelRunnerKVCacheMixin", "handle_max_mamba_cache"),
           "size the pool from a virtual budget, not from free device memory (model runner)"),
-        p("sglang-capacity", CONFIGURATOR_MOD, CONFIGURATOR,
+        p("sglang-capacity", CONFIGURATOR_MOD, ("builder", "configurator"),
           _capacity("KVCacheConfigurator", "_handle_max_mamba_cache"),
           "size the pool from a virtual budget, not from free device memory"),
-        p("sglang-pool-names-0.5.15", MIXIN, V0515, _pool_names,
+        p("sglang-pool-names-0.5.15", MIXIN, ("pool_class", "mixin"), _pool_names,
           "elastic MHA/MLA pools: the model runner builds them by module-level name"),
-        p("sglang-pool-names", CONFIGURATOR_MOD, POOL_NAMES, _pool_names,
+        p("sglang-pool-names", CONFIGURATOR_MOD, ("pool_class", "names"), _pool_names,
           "elastic MHA/MLA pools: the configurator builds them by module-level name"),
-        p("sglang-pools", CONFIGURATOR_MOD, POOL_RESOLVER, _pool_resolver,
+        p("sglang-pools", CONFIGURATOR_MOD, ("pool_class", "resolver"), _pool_resolver,
           "elastic MHA/MLA pools: the configurator's _resolve_kv_pool_class"),
-        p("sglang-pool-buffers-0.5.15", "sglang.srt.mem_cache.memory_pool", V0515, _pool_buffers_0_5_15,
+        p("sglang-pool-buffers-0.5.15", "sglang.srt.mem_cache.memory_pool", ("pool_buffers", "one"),
+          _pool_buffers_0_5_15,
           "0.5.15 builds buffers and pointer tables in one _create_buffers"),
-        p("sglang-allocators-0.5.15", MIXIN, V0515, _allocators_0_5_15,
+        p("sglang-allocators-0.5.15", MIXIN, ("builder", "mixin"), _allocators_0_5_15,
           "elastic token/paged allocators, built by name in the model runner; the result is checked"),
-        p("sglang-allocators", CONFIGURATOR_MOD, CONFIGURATOR, _allocators,
+        p("sglang-allocators", CONFIGURATOR_MOD, ("builder", "configurator"), _allocators,
           "elastic token/paged allocators, built by name in the configurator; the result is checked"),
-        p("sglang-swa-builder", CONFIGURATOR_MOD, SWA, _swa_builder_name,
+        p("sglang-swa-builder", CONFIGURATOR_MOD, ("swa", "budget"), _swa_builder_name,
           "the elastic SWA composite for hybrid sliding-window models"),
-        p("sglang-swa-allocators", "sglang.srt.mem_cache.allocator.swa", SWA, _swa_sub_allocators,
+        p("sglang-swa-allocators", "sglang.srt.mem_cache.allocator.swa", ("swa", "budget"), _swa_sub_allocators,
           "elastic sub-allocators inside the SWA composite"),
-        p("sglang-mamba-state-0.5.15", MIXIN, V0515, _mamba_state_0_5_15,
+        p("sglang-mamba-state-0.5.15", MIXIN, ("builder", "mixin"), _mamba_state_0_5_15,
           "elastic Mamba state pool and slot allocator (_init_mamba_pool builds MambaPool by name)"),
-        p("sglang-mamba-state", CONFIGURATOR_MOD, CONFIGURATOR, _mamba_state,
+        p("sglang-mamba-state", CONFIGURATOR_MOD, ("builder", "configurator"), _mamba_state,
           "elastic Mamba state pool (HybridReqToTokenPool.mamba_pool_cls) and slot allocator"),
-        p("sglang-prefill-adder", "sglang.srt.managers.schedule_policy", PREFILL_ADDER, _prefill_adder,
+        p("sglang-prefill-adder", "sglang.srt.managers.schedule_policy", ("prefill", "adder"), _prefill_adder,
           "prefill admission by what can be mapped now (PrefillAdder reads available_size)"),
-        p("sglang-check-decode-mem", "sglang.srt.managers.schedule_batch", DECODE_MEM, _check_decode_mem,
+        p("sglang-check-decode-mem", "sglang.srt.managers.schedule_batch", ("decode", "check_decode_mem"),
+          _check_decode_mem,
           "decode admission by what can be mapped now (retract instead of a failed alloc)"),
-        p("sglang-retract-to-limit", "sglang.srt.managers.schedule_batch", ALL, _retract_to_limit,
+        p("sglang-retract-to-limit", "sglang.srt.managers.schedule_batch", None, _retract_to_limit,
           "a lowered limit: retract running requests until their pages fit (check_decode_mem)"),
-        p("sglang-scheduler", "sglang.srt.managers.scheduler", ALL, _scheduler,
+        p("sglang-scheduler", "sglang.srt.managers.scheduler", None, _scheduler,
           "deferred physical release, prefix-cache bound, idle give-back, kvcached_report"),
     ]  # fmt: skip
 
 
+def _spec(name: str, target: str, needs: Needs, apply: Callable[[ModuleType], None], what: str):
+    return (name, target, needs, apply, what)
+
+
+def all_patches() -> List[BasePatch]:
+    return [BasePatch(name, target, _range(needs), apply, what) for name, target, needs, apply, what in _specs()]
+
+
 # ------------------------------------------------------------ known breaks
 
-# The releases tests/contracts/test_sglang_seams.py reads: every release in the
-# range (docs/notes/sglang_seams.md has the evidence).
-CHECKED_VERSIONS = (
-    "0.5.15",
-    "0.5.15.post1",
-    "0.5.16",
-    "0.5.17",
-    "0.5.18",
-    "0.5.19",
-    "0.5.20",
-    "0.5.21",
-    "0.5.22",
-    "0.5.23",
-)
+# The releases tests/contracts/test_sglang_seams.py reads: every supported release.
+CHECKED_VERSIONS = tuple(profile.RELEASES)
 
-# (patch name, version) -> why that patch's seam contract fails on that release.
-# Only releases outside the patch's range belong here: the contract test marks
-# them strict xfail (so the table cannot go stale: a break that is fixed reports
-# XPASS); a release outside the range not listed must pass.
-_V = CHECKED_VERSIONS
-_0515 = _V[:2]  # 0.5.15, 0.5.15.post1
-_NO_MIXIN = "0.5.16+: the pools are built by KVCacheConfigurator; model_runner_kv_cache_mixin is gone"
-_NO_CONFIGURATOR = "0.5.15: no KVCacheConfigurator; ModelRunnerKVCacheMixin._init_pools builds the pools"
 
-KNOWN_BREAKS: Dict[Tuple[str, str], str] = {
-    **{("sglang-conflicts-post-init", v): "0.5.19+: ServerArgs validates in resolve_once() (sglang-conflicts); "
-       "0.5.20+ declares its fields in arg_groups/fields" for v in _V[5:]},
-    **{("sglang-conflicts", v): "before 0.5.19: no ServerArgs.resolve_once; __post_init__ validates "
-       "(sglang-conflicts-post-init)" for v in _V[:5]},
-    **{("sglang-capacity-0.5.15", v): _NO_MIXIN + " (sglang-capacity)" for v in _V[2:]},
-    **{("sglang-capacity", v): _NO_CONFIGURATOR + " and profiles (sglang-capacity-0.5.15)" for v in _0515},
-    **{("sglang-pool-names-0.5.15", v): _NO_MIXIN + " (sglang-pool-names)" for v in _V[2:]},
-    **{("sglang-pool-names", v): _NO_CONFIGURATOR + " (sglang-pool-names-0.5.15)" for v in _0515},
-    **{("sglang-pool-names", v): "0.5.22+: _resolve_kv_pool_class picks the pool class and compares it with "
-       "the module's pool classes (sglang-pools)" for v in _V[8:]},
-    **{("sglang-pools", v): "before 0.5.22: no _resolve_kv_pool_class; the builders use the module-level names "
-       "(sglang-pool-names, sglang-pool-names-0.5.15)" for v in _V[:8]},
-    **{("sglang-pool-buffers-0.5.15", v): "0.5.16+: _create_buffers carves the plain layout in "
-       "_create_buffers_normal, which the elastic pool overrides" for v in _V[2:]},
-    **{("sglang-allocators-0.5.15", v): _NO_MIXIN + " (sglang-allocators)" for v in _V[2:]},
-    **{("sglang-allocators", v): _NO_CONFIGURATOR + " (sglang-allocators-0.5.15)" for v in _0515},
-    **{("sglang-swa-builder", v): _NO_CONFIGURATOR for v in _0515},
-    **{("sglang-mamba-state-0.5.15", v): _NO_MIXIN + " (sglang-mamba-state)" for v in _V[2:]},
-    **{("sglang-mamba-state", v): _NO_CONFIGURATOR + " (sglang-mamba-state-0.5.15)" for v in _0515},
-    **{("sglang-swa-allocators", v): "before 0.5.20: the SWA composite has no _swa_req_ring; before 0.5.21: no "
-       "SWAPrefillBudget (hybrid sliding-window models are refused)" for v in _V[:6]},
-    ("sglang-swa-allocators", "0.5.20"): "0.5.20: no SWAPrefillBudget, the composite's prefill admission reads "
-    "available_size in PrefillAdder (hybrid sliding-window models are refused)",
-    **{("sglang-prefill-adder", v): "0.5.21+: PrefillAdder asks the allocator's create_prefill_budget "
-       "(ElasticPrefillBudget)" for v in _V[7:]},
-    **{("sglang-check-decode-mem", v): "0.5.19+: check_decode_mem asks the allocator's check_decode_capacity"
-       for v in _V[5:]},
-}  # fmt: skip
+def _known_breaks() -> Dict[Tuple[str, str], str]:
+    out: Dict[Tuple[str, str], str] = {}
+    for name, _, needs, _, _ in _specs():
+        for release in profile.RELEASES:
+            why = profile.why_not(_CONTRACT_SEAM.get(name, needs), release)
+            if why:
+                out[(name, release)] = why
+    return out
+
+
+# (patch name, version) -> why that patch's seam contract fails on that release:
+# every release whose seam has another shape than the patch's contract reads
+# (profile.SHAPES says why). The contract test marks them strict xfail (so the
+# table cannot go stale: a break that is fixed reports XPASS); a release outside
+# the range not listed must pass.
+KNOWN_BREAKS: Dict[Tuple[str, str], str] = _known_breaks()
