@@ -64,6 +64,21 @@ def better_page_size(block_mem_size: int, page_size: int) -> Tuple[int, float]:
     return best
 
 
+def page_size_for_block(block_bytes: int) -> int:
+    """The page size for an engine whose largest block (or state slot) is ``block_bytes``:
+    ``KVCACHED_PAGE_SIZE`` when the user set it (a larger block is then refused, naming the
+    size to use); else the default page, or where the block is larger (a real hybrid
+    model's state), the smallest multiple of it that holds a block on every page and is at
+    least ``GOOD_UTILIZATION`` used. A pure function of the block: every process of an
+    engine computes the same page."""
+    from kvcached import config  # reads the environment only
+
+    page = config.page_size()
+    if config.page_size_set() or block_bytes <= page:
+        return page
+    return better_page_size(int(block_bytes), page)[0]
+
+
 def suggest_geometry(block_size: int, cell_size: int, page_size: int) -> str:
     """A sentence naming a block size and a page size that work with these cells."""
     block = block_size * cell_size

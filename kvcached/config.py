@@ -84,7 +84,8 @@ VARIABLES: Tuple[Var, ...] = (
         name="KVCACHED_PAGE_SIZE",
         type="int",
         default="2 MiB",
-        meaning="kvcached page size in bytes (a multiple of the backend granularity)",
+        meaning="kvcached page size in bytes (a multiple of the backend granularity); unset, a model whose "
+        "blocks or state slots are larger than 2 MiB gets a page that holds them (chosen at start-up)",
     ),
     Var(
         name="KVCACHED_PAGE_SIZE_MB",
@@ -338,6 +339,12 @@ def page_size() -> int:
     if mb and size != mb * MiB:
         raise ValueError(f"KVCACHED_PAGE_SIZE={size} and KVCACHED_PAGE_SIZE_MB={mb} disagree; unset one of them")
     return size
+
+
+def page_size_set() -> bool:
+    """Whether the page size was chosen by the user (KVCACHED_PAGE_SIZE or KVCACHED_PAGE_SIZE_MB):
+    then it is kept even where another would fit the model's blocks better."""
+    return _raw("KVCACHED_PAGE_SIZE", "int") is not None or _raw("KVCACHED_PAGE_SIZE_MB", "int") is not None
 
 
 def contiguous_layout() -> bool:

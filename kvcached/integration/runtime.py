@@ -64,8 +64,10 @@ def init(
     device: Optional[str],
     async_sched: bool,
     pp_rank: int,
+    page_size: Optional[int] = None,
 ) -> None:
     """Initializes kvcached for this process; repeated calls with the same device are no-ops.
+    ``page_size`` (default ``KVCACHED_PAGE_SIZE``) is the data plane's page, for the process.
 
     The data plane is initialized here unless this is a scheduler-only
     process of a multi-worker engine (world_size > 1 and not a worker): that
@@ -86,7 +88,7 @@ def init(
             return
         local = is_worker or world_size == 1
         if local:
-            _C.init_kvcached(dev, config.page_size(), config.contiguous_layout())
+            _C.init_kvcached(dev, int(page_size or config.page_size()), config.contiguous_layout())
         if is_worker and world_size > 1:
             from kvcached import tp_ipc_util
 

@@ -43,12 +43,15 @@ def init_kvcached(
     *,
     is_worker: bool = True,
     tp_size: Optional[int] = None,
+    page_size: Optional[int] = None,
 ) -> None:
     """Initializes kvcached in this SGLang worker process (idempotent).
 
     The TP size is recorded only: SGLang's ranks never map for each other
     (upstream starts a TP listener; ours needs none). ``is_worker`` is
     accepted for older callers: every SGLang rank is its own worker.
+    ``page_size``: the data plane's page (default ``KVCACHED_PAGE_SIZE``), taken
+    by the first call of the process.
     """
     configure_logging()
     if tp_size is not None:
@@ -56,7 +59,7 @@ def init_kvcached(
     world_size = int(world_size)
     # Each rank is its own scheduler+worker: initialize the data plane here and
     # start no fan-out listener.
-    runtime.init(ENGINE, 0, 1, True, device, bool(async_sched), int(pp_rank))
+    runtime.init(ENGINE, 0, 1, True, device, bool(async_sched), int(pp_rank), page_size)
     runtime.state().tp_rank = int(tp_rank)
     runtime.state().world_size = world_size
 

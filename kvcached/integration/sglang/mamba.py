@@ -103,10 +103,10 @@ class ElasticMambaPool(MambaPool):
 
 def create_state_group(pool: MambaPool, cache_params: Any, num_layers: int) -> Any:
     """The group, manager and record of a Mamba pool; returns (group, conv views, temporal view)."""
-    device, ranks = _pool.start_group(pool.device)
-    page = int(_C.config()["page_size"])
     lay = StateLayout(cache_params)
     raw_entry = num_layers * lay.cell
+    device, ranks = _pool.start_group(pool.device, raw_entry)
+    page = int(_C.config()["page_size"])
     if raw_entry > page:
         raise conflicts.refuse(
             f"one Mamba slot holds {raw_entry} bytes of state ({num_layers} layers x {lay.cell}), more than "

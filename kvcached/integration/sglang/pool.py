@@ -35,6 +35,7 @@ import threading
 from typing import Any, Callable, List, Optional, Tuple
 
 from kvcached import _C, naming
+from kvcached.block_geometry import page_size_for_block
 from kvcached.devices import normalize_device
 from kvcached.elastic import ElasticInstance, ElasticPool
 from kvcached.errors import InvalidArgumentError
@@ -211,11 +212,15 @@ def _record_base_name(tp_rank: int, pp_rank: int) -> str:
     return base
 
 
-def start_group(device: Any) -> Tuple[str, Tuple[int, int, int]]:
-    """kvcached's data plane for this scheduler process, on the pool's device: (device, ranks)."""
+def start_group(device: Any, largest_entry: int = 0) -> Tuple[str, Tuple[int, int, int]]:
+    """kvcached's data plane for this scheduler process, on the pool's device: (device, ranks).
+    The first pool of the process (SGLang builds a hybrid model's state pool first) sets its
+    page: ``block_geometry.page_size_for_block(largest_entry)``, so a real model's state slot
+    larger than the default page needs no variable."""
     dev = _device_str(device)
     tp_rank, tp_size, pp_rank = ranks = _parallel_ranks()
-    interfaces.init_kvcached(tp_rank, tp_size, is_worker=True, device=dev, pp_rank=pp_rank)
+    page = page_size_for_block(int(largest_entry))
+    interfaces.init_kvcached(tp_rank, tp_size, is_worker=True, device=dev, pp_rank=pp_rank, page_size=page)
     return dev, ranks
 
 

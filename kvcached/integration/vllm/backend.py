@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from kvcached import config, naming
+from kvcached import naming
 from kvcached.devices import normalize_device
 from kvcached.elastic import ElasticInstance, ElasticPool
 from kvcached.elastic.cleanup import cleanup_dead_instances
@@ -123,8 +123,8 @@ class VllmBackend:
 
         vc = ctx.vllm_config
         refuse_unsupported(vc)
-        page = config.page_size()
-        plan = KVLayoutPlan.from_kv_cache_config(ctx.kv_cache_config, page)
+        plan = KVLayoutPlan.for_engine(ctx.kv_cache_config)
+        page = plan.page_size
         if plan.num_blocks != num_blocks:
             raise InvalidArgumentError(
                 f"kvcached: the block pool has {num_blocks} blocks but the KV cache config {plan.num_blocks}"

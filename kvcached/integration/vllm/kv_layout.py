@@ -55,7 +55,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kvcached import config
-from kvcached.block_geometry import BlockGeometry
+from kvcached.block_geometry import BlockGeometry, page_size_for_block, page_utilization
 from kvcached.errors import InvalidArgumentError
 
 logger = logging.getLogger("vllm.kvcached")
@@ -126,6 +126,11 @@ class KVLayoutPlan:
         self.num_layers = sum(p.num_layers for p in self.placements)
 
     @classmethod
+    def for_engine(cls, kv_cache_config: Any) -> KVLayoutPlan:
+        """The plan of a vLLM ``KVCacheConfig`` with this engine's page size (``page_size_for``)."""
+        return cls.from_kv_cache_config(kv_cache_config, page_size_for(kv_cache_config))
+
+    @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any, page_size: int) -> KVLayoutPlan:
         """The plan of a vLLM ``KVCacheConfig``; its tensors are read by ``tensor_reader``
         (one reader per shape of vLLM's ``KVCacheTensor``, picked per version by ``versions.py``)."""
@@ -194,6 +199,38 @@ class KVLayoutPlan:
             f"{len(self.placements)} tensor(s) / {self.num_layers} layers, page {self.page_size} B, "
             f"{self.num_logical_pages} logical pages)"
         )
+
+
+# ------------------------------------------------------------- page size
+
+_chosen_logged: set = set()
+
+
+def page_size_for(kv_cache_config: Any) -> int:
+    """The page size of an engine's KV buffer: ``block_geometry.page_size_for_block`` of its
+    largest block (a real hybrid model's state block, Qwen3-Next or Qwen3.5, may be larger
+    than the default 2 MiB page: ``vllm serve`` of such a model needs no variable). A pure
+    function of the config: the engine core (region alignment), the scheduler and every
+    worker compute the same page from the same config."""
+    page = config.page_size()
+    tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
+    if config.page_size_set() or not tensors:
+        return page
+    groups = list(kv_cache_config.kv_cache_groups)
+    _, placements, _ = KVLayoutPlan.tensor_reader(tensors, groups, int(kv_cache_config.num_blocks), page)
+    largest = max(p.block_bytes for p in placements)
+    chosen = page_size_for_block(largest)
+    if chosen != page and chosen not in _chosen_logged:
+        _chosen_logged.add(chosen)
+        logger.info(
+            "kvcached: blocks of %d B are larger than the default %d KiB page: pages of %d KiB (%.0f%% used); "
+            "set KVCACHED_PAGE_SIZE to choose another",
+            largest,
+            page >> 10,
+            chosen >> 10,
+            100 * page_utilization(chosen, largest),
+        )
+    return chosen
 
 
 # ---------------------------------------------------------- tensor readers
@@ -325,8 +362,8 @@ def patch_kv_cache_configs(core: ModuleType) -> None:
     @functools.wraps(orig)
     def get_kv_cache_configs(*args: Any, **kwargs: Any) -> Any:
         configs = orig(*args, **kwargs)
-        page = config.page_size()
         for c in configs:
+            page = page_size_for(c)
             before = max((int(t.size) for t in c.kv_cache_tensors), default=0)
             if align_layer_regions(c, page):
                 logger.info(

@@ -31,7 +31,7 @@ import threading
 from types import ModuleType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from kvcached import config, naming, vmm_ops
+from kvcached import naming, vmm_ops
 from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError
 from kvcached.integration.patch_base import WRAPPED, original, wrap_method
@@ -137,7 +137,7 @@ def device_string(device: Any) -> str:
 
 def _start_worker_kv(kv_cache_config: Any, device: Any) -> Tuple[KVLayoutPlan, WorkerKV]:
     """The plan of ``kv_cache_config`` and this worker's FTensor + listener for it."""
-    plan = KVLayoutPlan.from_kv_cache_config(kv_cache_config, config.page_size())
+    plan = KVLayoutPlan.for_engine(kv_cache_config)
     refuse_unproven_on_device(kv_cache_config, device_string(device))
     tp, pp, dp, dp_size = _parallel_ranks()
     kv = WorkerKV.start(plan, device_string(device), tp, pp, instance_name(dp, dp_size))
@@ -269,7 +269,7 @@ def check_blocks_outermost(kv_caches: Dict[str, Any], kv_cache_config: Any) -> N
     K/V-first layouts (ROCm attention's ``(2, num_blocks, ...)``) are refused in one line."""
     import torch
 
-    plan = KVLayoutPlan.from_kv_cache_config(kv_cache_config, config.page_size())
+    plan = KVLayoutPlan.for_engine(kv_cache_config)
     # One placement per KVCacheTensor (read_shared_by_tensors), each with its
     # own block size (layers of different head sizes).
     block_bytes = {

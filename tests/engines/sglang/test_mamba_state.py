@@ -277,6 +277,27 @@ def test_a_composite_over_a_state_pool_kvcached_did_not_build_is_refused_with_on
     assert "\n" not in msg and "MambaPool state pool kvcached does not back" in msg and "ENABLE_KVCACHED" in msg
 
 
+def test_a_slot_larger_than_the_default_page_gets_a_page_that_holds_it(monkeypatch) -> None:
+    """Issue 29, item 3: a real Qwen3-Next's state (32 heads x 128 x 128 float32 a layer:
+    2 MiB and more a slot) against the default 2 MiB page: with KVCACHED_PAGE_SIZE unset,
+    the first pool of the process sets a page that holds a slot (a multiple of 2 MiB, at
+    least 90% used) instead of stopping start-up; the attention pool built after it uses
+    the same page. (Set, the user's page is kept: the test below.)"""
+    from kvcached import _C
+    from kvcached.block_geometry import GOOD_UTILIZATION, page_utilization
+    from kvcached.integration.sglang.mamba import StateLayout
+
+    monkeypatch.delenv("KVCACHED_PAGE_SIZE")
+    params = _params(num_heads=32, head_dim=128, state=128)
+    entry = len(LAYERS) * StateLayout(params).cell
+    assert entry > 2 << 20
+    pool = _req_pool(params)
+    page = int(_C.config()["page_size"])
+    assert page % (2 << 20) == 0 and page >= entry and page_utilization(page, entry) >= GOOD_UTILIZATION
+    grp = pool.mamba_pool.kvcached_group
+    assert grp.manager.page_size == page
+
+
 def test_a_slot_larger_than_a_page_and_unsupported_options_stop_start_up_with_one_line(monkeypatch) -> None:
     from kvcached.integration.sglang.conflicts import UnsupportedConfigurationError
     from kvcached.integration.sglang.pool import elastic_groups

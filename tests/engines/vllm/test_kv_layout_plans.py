@@ -70,13 +70,14 @@ def _config(planner, groups, layout: str, memory: int = 20 << 30):
     return planner.get_kv_cache_config_from_groups(vc, groups, memory)
 
 
-def _qwen3_next_80b_groups(planner):
+def _qwen3_next_80b_groups(planner, ssm_dtype=None):
     """48 layers, every 4th full attention (2 KV heads x 256), the rest gated-delta-net
     (conv state 8192 x 3, recurrent state 32 x 128 x 128, bfloat16), blocks evened out
     as vLLM's hybrid config does (attention block size rounded up to cover the state)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    state = 8192 * 3 * 2 + 32 * 128 * 128 * 2
+    ssm_dtype = ssm_dtype or torch.bfloat16
+    state = 8192 * 3 * 2 + 32 * 128 * 128 * ssm_dtype.itemsize
     per_token = 2 * 256 * 2 * 2
     tokens = -(-state // per_token)  # ceil
     block_size = -(-tokens // 16) * 16
@@ -90,7 +91,7 @@ def _qwen3_next_80b_groups(planner):
             specs[f"layers.{i}"] = MambaSpec(
                 block_size=block_size,
                 shapes=((8192, 3), (32, 128, 128)),
-                dtypes=(torch.bfloat16, torch.bfloat16),
+                dtypes=(torch.bfloat16, ssm_dtype),
                 page_size_padded=block_size * per_token,
             )
     return planner._get_kv_cache_groups_uniform_page_size(specs)
@@ -169,3 +170,35 @@ def test_layouts_with_heads_outside_the_blocks_are_refused_in_one_line(vllm_plan
     else:
         with pytest.raises(InvalidArgumentError, match="heads outside the blocks.*VLLM_KV_CACHE_LAYOUT=LBHNC"):
             KVLayoutPlan.from_kv_cache_config(cfg, 2 * MiB)
+
+
+def test_a_state_block_larger_than_the_default_page_gets_a_page_that_holds_it(vllm_planner, monkeypatch):
+    """Issue 29, item 3: a real Qwen3-Next with its recurrent state in float32 (2 MiB + the
+    conv state a layer: blocks of 2.1 MiB) used to stop start-up asking for KVCACHED_PAGE_SIZE.
+    Unset, the page is chosen from the spec (a multiple of 2 MiB holding a block on every page,
+    at least 90% used), the same in the engine core, scheduler and workers; set, it is kept
+    and a block larger than it is refused in one line naming the size to use."""
+    from kvcached.block_geometry import GOOD_UTILIZATION, page_utilization
+    from kvcached.errors import InvalidArgumentError
+    from kvcached.integration.vllm.kv_layout import KVLayoutPlan, page_size_for, patch_kv_cache_configs
+
+    groups = _qwen3_next_80b_groups(vllm_planner, ssm_dtype=torch.float32)
+    monkeypatch.delenv("KVCACHED_PAGE_SIZE", raising=False)
+    monkeypatch.delenv("KVCACHED_PAGE_SIZE_MB", raising=False)
+    native = _config(vllm_planner, groups, "LBHNC")
+    block = native.kv_cache_tensors[0].block_stride
+    assert block > 2 * MiB
+    page = page_size_for(native)
+    assert page % (2 * MiB) == 0 and page >= block and page_utilization(page, block) >= GOOD_UTILIZATION
+    core = SimpleNamespace(get_kv_cache_configs=lambda *a: [_config(vllm_planner, groups, "LBHNC")])
+    patch_kv_cache_configs(core)
+    (aligned,) = core.get_kv_cache_configs(None, [], [0])
+    assert page_size_for(aligned) == page  # what the workers and the scheduler compute from it
+    plan = KVLayoutPlan.for_engine(aligned)
+    assert plan.page_size == page and plan.physical_pages_per_logical_page() == 12
+    assert aligned.kv_cache_tensors[0].layer_stride % page == 0
+
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(2 * MiB))  # the user's choice is kept
+    assert page_size_for(native) == 2 * MiB
+    with pytest.raises(InvalidArgumentError, match="KVCACHED_PAGE_SIZE="):
+        KVLayoutPlan.for_engine(native)
