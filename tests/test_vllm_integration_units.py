@@ -24,7 +24,8 @@ from kvcached.integration.patch_base import (
     VersionRange,
     parse_version,
 )
-from kvcached.integration.vllm.kv_layout import KVLayoutPlan, Placement, align_layer_regions, read_layer_tensors
+from kvcached.integration.vllm.kv_layout import KVLayoutPlan, Placement, read_layer_tensors
+from kvcached.integration.vllm.kv_regions import align_layer_regions
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -511,7 +512,7 @@ def test_layouts_that_are_not_vllm_s_layer_outermost_one_are_left_as_they_are(ch
 
 
 def test_the_engine_core_hands_out_aligned_configs(monkeypatch):
-    from kvcached.integration.vllm.kv_layout import patch_kv_cache_configs
+    from kvcached.integration.vllm.kv_regions import patch_kv_cache_configs
 
     monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(4 * MiB))
     cfgs = [_layer_outer_config(40, 1114112, groups=2, layers=3)]

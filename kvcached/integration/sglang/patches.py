@@ -35,23 +35,11 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
-from kvcached.integration.patch_base import BasePatch, VersionRange, parse_version, wrap_method
+from kvcached.integration.patch_base import BasePatch, wrap_method
+from kvcached.integration.seam_table import Needs
 from kvcached.integration.sglang import profile
-from kvcached.integration.sglang.profile import Needs
 
-
-def _range(needs: Needs) -> VersionRange:
-    """The versions of the supported releases with the shape ``needs`` (they must be consecutive)."""
-    releases = profile.releases_where(needs)
-    every = list(profile.RELEASES)
-    i = every.index(releases[0]) if releases else 0
-    if not releases or every[i : i + len(releases)] != releases:
-        raise ValueError(f"the releases with {needs} are not consecutive: {releases}")
-    after = every[i + len(releases)] if i + len(releases) < len(every) else None
-    if after is None:  # the newest: up to the next patch release
-        v = parse_version(releases[-1])
-        after = f"{v[0]}.{v[1]}.{v[2] + 1}"
-    return VersionRange.parse(f">={releases[0]},<{after}")
+_range = profile.version_range
 
 
 SUPPORTED = _range(None)

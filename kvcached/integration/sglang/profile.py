@@ -12,14 +12,22 @@ A new release whose seams did not move is one line: ``RELEASES["0.5.24"] =
 _like("0.5.23")``. One whose seams moved adds the new shape here, its
 description in ``SHAPES``, and the patch for it in ``patches.py``.
 
-Standard library only: ``python3 kvcached/integration/sglang/profile.py ci``.
+``python3 kvcached/integration/sglang/profile.py ci`` prints CI's releases
+(standard library and ``seam_table`` only).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from kvcached.integration import seam_table  # noqa: E402
+from kvcached.integration.seam_table import Needs  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,25 +102,25 @@ SHAPES: Dict[Tuple[str, object], str] = {
     ("decode", "capacity"): "0.5.19+: check_decode_mem asks the allocator's check_decode_capacity",
 }
 
-# What a patch needs: (seam, shape), or None for every supported release.
-Needs = Optional[Tuple[str, object]]
-
 
 def releases_where(needs: Needs) -> List[str]:
     """The supported releases whose seams have the shape ``needs`` (all for None)."""
-    if needs is None:
-        return list(RELEASES)
-    seam, shape = needs
-    return [r for r, s in RELEASES.items() if getattr(s, seam) == shape]
+    return seam_table.releases_where(RELEASES, needs)
 
 
 def why_not(needs: Needs, release: str) -> Optional[str]:
     """Why ``release`` lacks the shape ``needs`` (None when it has it)."""
-    if needs is None:
-        return None
-    seam, _ = needs
-    have = getattr(RELEASES[release], seam)
-    return None if (seam, have) == tuple(needs) else SHAPES[(seam, have)]
+    return seam_table.why_not(RELEASES, SHAPES, needs, release)
+
+
+def version_range(needs: Needs):
+    """The versions of the releases with the shape ``needs`` (a patch's range)."""
+
+    def next_patch(newest: str) -> str:
+        major, minor, patch = newest.split(".")[:3]
+        return f"{major}.{minor}.{int(patch) + 1}"
+
+    return seam_table.version_range(RELEASES, needs, next_patch)
 
 
 def ci_versions() -> List[str]:

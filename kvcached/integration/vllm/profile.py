@@ -13,15 +13,22 @@ source="0.35.0")``. One whose seams moved adds the new shape here, its
 description in ``SHAPES``, and the patch for it in ``versions.py``; the
 contracts then tell the shapes apart.
 
-Standard library only: ``python3 kvcached/integration/vllm/profile.py ci``
-prints CI's versions on a machine with nothing installed.
+``python3 kvcached/integration/vllm/profile.py ci`` prints CI's versions on a
+machine with nothing installed (standard library and ``seam_table`` only).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from kvcached.integration import seam_table  # noqa: E402
+from kvcached.integration.seam_table import Needs  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,25 +105,20 @@ SHAPES: Dict[Tuple[str, object], str] = {
     ("cpu_v2_runner", False): "before 0.34: no CPU V2 runner",
 }
 
-# What a patch needs: (seam, shape), or None for every supported minor.
-Needs = Optional[Tuple[str, object]]
-
 
 def minors_where(needs: Needs) -> List[str]:
     """The supported minors whose seams have the shape ``needs`` (all for None)."""
-    if needs is None:
-        return list(MINORS)
-    seam, shape = needs
-    return [m for m, s in MINORS.items() if getattr(s, seam) == shape]
+    return seam_table.releases_where(MINORS, needs)
 
 
 def why_not(needs: Needs, minor: str) -> Optional[str]:
     """Why ``minor`` lacks the shape ``needs`` (None when it has it)."""
-    if needs is None:
-        return None
-    seam, _ = needs
-    have = getattr(MINORS[minor], seam)
-    return None if (seam, have) == tuple(needs) else SHAPES[(seam, have)]
+    return seam_table.why_not(MINORS, SHAPES, needs, minor)
+
+
+def version_range(needs: Needs):
+    """The versions of the minors with the shape ``needs`` (a patch's range)."""
+    return seam_table.version_range(MINORS, needs, lambda newest: f"0.{int(newest.split('.')[1]) + 1}")
 
 
 def sources() -> List[str]:

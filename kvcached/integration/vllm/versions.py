@@ -23,19 +23,11 @@ import importlib
 from types import ModuleType
 from typing import Callable, Dict, List, Tuple
 
-from kvcached.integration.patch_base import BasePatch, Version, VersionRange
+from kvcached.integration.patch_base import BasePatch, Version
+from kvcached.integration.seam_table import Needs
 from kvcached.integration.vllm import profile
-from kvcached.integration.vllm.profile import Needs
 
-
-def _range(needs: Needs) -> VersionRange:
-    """The versions of the supported minors with the shape ``needs`` (they must be consecutive)."""
-    minors = profile.minors_where(needs)
-    every = list(profile.MINORS)
-    if not minors or every[every.index(minors[0]) : every.index(minors[0]) + len(minors)] != minors:
-        raise ValueError(f"the minors with {needs} are not consecutive: {minors}")
-    last = minors[-1].split(".")
-    return VersionRange.parse(f">={minors[0]},<{last[0]}.{int(last[1]) + 1}")
+_range = profile.version_range
 
 
 SUPPORTED = _range(None)
@@ -117,7 +109,7 @@ _SPECS: List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]] = [
      _set(_LAYOUT, "KVLayoutPlan", "tensor_reader", "read_layer_tensors", staticmethod),
      "KVCacheTensor(size, layers, layer_stride, block_stride, offset): placements in one buffer"),
     ("kv_regions_page_aligned", "vllm.v1.engine.core", ("kv_buffer", "layers"),
-     _call(_LAYOUT, "patch_kv_cache_configs"),
+     _call("kvcached.integration.vllm.kv_regions", "patch_kv_cache_configs"),
      "the engine core's KV cache configs get page-aligned layer regions before workers and scheduler see them"),
     ("mamba_state_shared_by_0_28", "vllm.v1.kv_cache_interface", ("kv_buffer", "shared_by"),
      lambda target: importlib.import_module(_LAYOUT).serve_spec("MambaSpec"),

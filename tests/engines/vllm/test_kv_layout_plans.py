@@ -99,7 +99,8 @@ def _qwen3_next_80b_groups(planner, ssm_dtype=None):
 
 @pytest.mark.parametrize("page_mib", [4, 16])
 def test_a_real_qwen3_next_is_charged_one_page_per_layer_region(vllm_planner, page_mib, monkeypatch):
-    from kvcached.integration.vllm.kv_layout import KVLayoutPlan, patch_kv_cache_configs
+    from kvcached.integration.vllm.kv_layout import KVLayoutPlan
+    from kvcached.integration.vllm.kv_regions import patch_kv_cache_configs
 
     page = page_mib * MiB
     groups = _qwen3_next_80b_groups(vllm_planner)
@@ -130,7 +131,8 @@ def test_a_dense_model_whose_blocks_do_not_fill_whole_pages_is_charged_one_page_
     32 layers (the limit and the device budget nearly doubled)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvcached.integration.vllm.kv_layout import KVLayoutPlan, patch_kv_cache_configs
+    from kvcached.integration.vllm.kv_layout import KVLayoutPlan
+    from kvcached.integration.vllm.kv_regions import patch_kv_cache_configs
 
     specs = {
         f"l{i}": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
@@ -180,7 +182,8 @@ def test_a_state_block_larger_than_the_default_page_gets_a_page_that_holds_it(vl
     and a block larger than it is refused in one line naming the size to use."""
     from kvcached.block_geometry import GOOD_UTILIZATION, page_utilization
     from kvcached.errors import InvalidArgumentError
-    from kvcached.integration.vllm.kv_layout import KVLayoutPlan, page_size_for, patch_kv_cache_configs
+    from kvcached.integration.vllm.kv_layout import KVLayoutPlan, page_size_for
+    from kvcached.integration.vllm.kv_regions import patch_kv_cache_configs
 
     groups = _qwen3_next_80b_groups(vllm_planner, ssm_dtype=torch.float32)
     monkeypatch.delenv("KVCACHED_PAGE_SIZE", raising=False)
