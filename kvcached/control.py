@@ -179,6 +179,8 @@ def validate_limit(limit_bytes: object, rec: RecordView, *, allow_zero: bool = F
         )
     if not rec.alive:
         return f"instance {rec.name!r} is dead (pid {rec.owner_pid}); remove it with `kvctl delete {rec.name}`"
+    if rec.engine == "job":  # kvcached.borrowing: nobody applies a limit there
+        return f"{rec.name!r} is a borrower (engine job), not an engine: its memory is its job's; end the borrow"
     return None
 
 

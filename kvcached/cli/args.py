@@ -56,6 +56,7 @@ interval = _arg_type(decimal, "-n", 0.0, MAX_INTERVAL_S, True)
 wait = _arg_type(decimal, "--wait", 0.0, MAX_WAIT_S)
 count = _arg_type(integer, "--count", 1, MAX_COUNT)
 port = _arg_type(integer, "--port", 0, 65535)
+borrow_timeout = _arg_type(decimal, "--timeout", 0.0, 86400.0)  # kvctl borrow: at most a day
 
 
 class OneLineParser(argparse.ArgumentParser):

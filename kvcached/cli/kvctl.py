@@ -9,6 +9,8 @@
     kvctl kvtop [kvtop options] [NAME ...]
     kvctl version [--json]                                 the kvcached build installed
     kvctl metrics --port N [--host H] [--prefix P]        Prometheus /metrics of every instance
+    kvctl borrow SIZE [--device D] [--timeout S] [--partial] [--priority] [--name N] [--json] -- CMD ...
+                                                           hold memory for CMD's lifetime (kvcached.cli.borrow)
     kvctl [shell]                                          one command per line (kvcached.cli.shell)
 
 Upstream kvctl's commands and flags work as there (docs/COMPAT.md); ``list
@@ -16,7 +18,7 @@ Upstream kvctl's commands and flags work as there (docs/COMPAT.md); ``list
 
 Exit status: 0 done; 2 bad input (one line on stderr naming the fix; nothing
 changed); 1 the write lost to another writer (stale/conflict) or the system
-failed.
+failed. ``kvctl borrow`` passes CMD's status through (kvcached.cli.borrow).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from typing import Any, List, Optional, Sequence, Tuple
 
 from kvcached.cli import args as args_mod
+from kvcached.cli import borrow as borrow_cmd
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 MAX_SIZE = (1 << 63) - 1  # the record's limit is a signed 64-bit byte count
@@ -286,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix", default="", help="only instances whose name starts with this")
     s.set_defaults(func=cmd_metrics)
 
+    borrow_cmd.add_parser(sub)
+
     # Listed for --help; main() hands these to kvtop / the shell before parsing.
     sub.add_parser("kvtop", help="live table of instances (same as `kvtop`; see `kvtop --help`)")
     sub.add_parser("shell", help="one kvctl command per line (also: kvctl without a command)")
@@ -295,11 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _protect_negative_sizes(argv: List[str]) -> List[str]:
     """``kvctl limit x -5M``: argparse would take ``-5M`` for an option and
     answer "missing size"; pass it through so the answer is "must be > 0"."""
-    if argv and argv[0] in ("limit", "limit-percent") and "--" not in argv:
+    if argv and argv[0] in ("limit", "limit-percent", "borrow") and "--" not in argv:
         for i, tok in enumerate(argv[1:], 1):
-            value_of_option = argv[i - 1] in ("--revision", "--wait")  # argparse takes "-1" there itself
+            # argparse takes "-1" as an option's value itself
+            value_of_option = argv[i - 1] in ("--revision", "--wait", "--timeout", "--device", "--name")
             if len(tok) > 1 and tok[0] == "-" and (tok[1].isdigit() or tok[1] == ".") and not value_of_option:
-                return argv[:i] + ["--"] + argv[i:]
+                # Last, after "--": the options that follow it stay options.
+                return argv[:i] + argv[i + 1 :] + ["--", tok]
     return argv
 
 
@@ -314,8 +321,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from kvcached.cli import shell
 
         return shell.run(main)
+    command = None
+    if argv[:1] == ["borrow"]:
+        argv, command = borrow_cmd.split_command(argv)  # CMD's arguments are not kvctl's
     args = build_parser().parse_args(_protect_negative_sizes(argv))
     try:
+        if args.cmd == "borrow":
+            args.command = command
+            return borrow_cmd.run(args, BadInput)
         return int(args.func(args))
     except BadInput as e:
         print(f"kvctl: error: {e}", file=sys.stderr)

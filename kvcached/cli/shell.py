@@ -104,6 +104,13 @@ def run(dispatch: Callable[[List[str]], int], stdin=None) -> int:  # noqa: ANN00
             if tokens[0] == "shell":
                 print("kvctl: already in the shell", file=sys.stderr)
                 continue
+            if tokens[0] == "borrow":  # it runs a program: the shell runs none
+                print(
+                    "kvctl: error: borrow runs a command; run `kvctl borrow SIZE -- CMD` from your shell",
+                    file=sys.stderr,
+                )
+                status = 2
+                continue
             try:
                 status = dispatch(tokens)
             except SystemExit as e:  # argparse's one-line error (or --help)

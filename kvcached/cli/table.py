@@ -23,6 +23,7 @@ RECORD_HEADERS = (
     "USED",
     "PREALLOC",
     "MAPPED",
+    "HELD",
     "LIMIT%",
     "WANTS",
     "LEAKED",
@@ -71,6 +72,7 @@ def record_row(r: RecordView) -> List[str]:
         format_size(r.used),
         format_size(r.prealloc),
         format_size(r.mapped),
+        format_size(r.held),  # budget bytes: a grant beyond what is mapped, or a borrower's (engine "job")
         percent(r.mapped, r.limit),
         _wants(r),
         format_size(r.quarantined) if r.quarantined else "-",

@@ -52,6 +52,9 @@ _IDLE_WAKE_MS = 10_000
 # num_free_pages(): it is called on every scheduling step and reads every record.
 _PEER_SUM_TTL_S = 0.05
 
+# At most one log line per this many seconds for the give-backs peers ask for.
+_GIVE_BACK_LOG_S = 10.0
+
 # How often note_shortage() may read the budget; in between it repeats its
 # last answer (it is called on every allocation miss of a scheduling step).
 _SHORTAGE_CHECK_S = 0.25
@@ -146,6 +149,7 @@ class InstanceLimits:
         self._peer_sum = (-1.0, 0)  # (monotonic time, bytes held by the other members)
         self._shortage_check = (-1.0, False)  # (monotonic time, want published)
         self._wanting = False  # the record shows a want
+        self._give_backs = (-_GIVE_BACK_LOG_S, 0, 0, 0)  # (last line, give-backs, bytes, unmapped bytes) unlogged
         # The record's refusal (batched) and give-back counters.
         self.stats = RecordStats(self._tracker)
         # Called on the watcher thread when a peer short of budget wakes this
@@ -243,10 +247,12 @@ class InstanceLimits:
                     # for everything unused back, the reserve pool too. On the
                     # idle timeout (or a spurious return) keep one quantum.
                     if self._tracker.wake_count() != wakes:
-                        before = self._mapped_bytes()
+                        before, held = self._mapped_bytes(), self._published
                         self._reclaim()
                         self.release_slack(0, trim_reserve=True)
-                        self.stats.gave_back(before - self._mapped_bytes())
+                        unmapped = before - self._mapped_bytes()
+                        self.stats.gave_back(unmapped)
+                        self._log_give_back(held - self._published, unmapped)
                         hook = self.on_peer_short
                         if hook is not None:
                             hook()
@@ -254,6 +260,27 @@ class InstanceLimits:
                         self.release_slack(self._quantum)
             except Exception:  # keep watching: a failed apply is retried on the next write
                 logger.exception("kvcached: applying the limit of %s failed", self.name)
+
+    def _log_give_back(self, released: int, unmapped: int) -> None:
+        """One line per give-back to a peer (how much, why), at most one per
+        ``_GIVE_BACK_LOG_S``: under contention peers ask every 0.25 s, and what
+        is given back in between is summed into the next line."""
+        if released <= 0 and unmapped <= 0:
+            return
+        last, n, total, freed = self._give_backs
+        n, total, freed = n + 1, total + max(released, unmapped), freed + max(unmapped, 0)
+        now = time.monotonic()
+        if now - last < _GIVE_BACK_LOG_S:
+            self._give_backs = (last, n, total, freed)
+            return
+        self._give_backs = (now, 0, 0, 0)
+        logger.info(
+            "kvcached: %s gave back %s of unused device budget to peers short of it%s%s",
+            self.name,
+            format_size(total),
+            f" ({format_size(freed)} of it mapped pages holding no block, now unmapped)" if freed else "",
+            f", over {n} give-backs" if n > 1 else "",
+        )
 
     def _apply_limit(self) -> int:
         """Enforces the record's limit if record_trusted() allows; returns the revision seen."""
@@ -449,8 +476,8 @@ class InstanceLimits:
 
     def release_slack(self, keep_bytes: int = 0, trim_reserve: bool = False) -> None:
         """Gives back budget held beyond what is mapped plus ``keep_bytes``;
-        with ``trim_reserve`` unmaps the reserve pool first (mapped pages no
-        block uses), so only pages holding blocks stay held.
+        with ``trim_reserve`` beyond the pages holding blocks, the reserve pool
+        (mapped pages no block uses) unmapped, so only those pages stay held.
 
         The watcher calls it when a peer asks (trimming) and when idle.
         """
@@ -459,15 +486,19 @@ class InstanceLimits:
         with self._lock:
             if self._closed:
                 return
-            if trim_reserve:
-                self._pa.trim()
             mapped = self._mapped_bytes()
-            target = mapped + max(0, int(keep_bytes))
+            # Trimming, the cap falls to the pages holding blocks before the reserve
+            # is unmapped: unmapped first, the pre-mapping thread refilled it before
+            # the cap fell (seen: a peer's ask then served only on its 2nd-8th ask).
+            floor = int(self._pa.get_num_inuse_pages()) * self._bpp if trim_reserve else mapped
+            target = floor + max(0, int(keep_bytes))
             # The record may also show more than needed after a shrink below
             # what was mapped (the grant is floored at mapped bytes then).
             if self._grant > target or self._published > max(self._cap, mapped):
                 self._grant = min(self._grant, target)
-                self._enforce_locked()
+                self._enforce_locked()  # unmaps the reserve above the new cap
+            if trim_reserve and self._mapped_bytes() > floor:
+                self._pa.trim()  # a reserve within a cap that did not fall
 
     def on_free(self) -> None:
         """Cheap hook after frees: gives back slack beyond two quanta, and, after a limit was

@@ -163,8 +163,17 @@ def give_back_to_peers(tree_cache: Any) -> int:
     if prefix_sharing(tree_cache) and evictable_tokens(tree_cache) > 0:
         n = evict_tokens(tree_cache, evictable_tokens(tree_cache))
         _stats["peer_evicted_tokens"] += n
+    before = sum(p.mapped_pages() for p in inst.pools)
     release_all()
-    inst.give_back()
+    given = before - sum(p.mapped_pages() for p in inst.pools) + inst.give_back()
+    if given > 0:  # one line per give-back, as vLLM's idle_return_memory logs it
+        logger.info(
+            "kvcached: idle %s gave back %d of %d mapped pages (wanted by a peer; %d cached tokens evicted)",
+            inst.name,
+            given,
+            before,
+            n,
+        )
     return n
 
 
