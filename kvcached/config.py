@@ -229,7 +229,8 @@ VARIABLES: Tuple[Var, ...] = (
         name="KVCACHED_BORROW_NAME",
         type="str",
         default="-",
-        meaning="set by `kvctl borrow` for its command: the record holding the borrowed memory (read it, do not set it)",
+        meaning="set by `kvctl borrow` for its command: the record holding the borrowed memory "
+        "(read it, do not set it)",
     ),
     Var(
         name="KVCACHED_BORROW_DEVICE",
