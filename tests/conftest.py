@@ -52,6 +52,16 @@ def vmm(device: str, page_size: int):
 
 
 @pytest.fixture
+def prefix():
+    """A unique prefix for this test's record names (and budget scope); its records are removed after."""
+    from limits_helpers import remove_records, unique_prefix
+
+    p = unique_prefix()
+    yield p
+    remove_records(p)
+
+
+@pytest.fixture
 def running(tmp_path):
     """Routers over stand-in engines (``router_helpers.Running``), closed after the test."""
     from router_helpers import Running

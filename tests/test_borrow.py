@@ -24,17 +24,10 @@ from kvcached.borrowing.torch_retry import tried_bytes
 from kvcached.cli import kvctl as kvctl_mod
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits import DeviceBudget
-from limits_helpers import BPP, HERE, Worker, kvctl, kvctl_list_json, remove_records, unique_prefix
+from limits_helpers import BPP, HERE, Worker, kvctl, kvctl_list_json
 
 pytestmark = pytest.mark.slow
 ENGINE_BPP = 256 << 10  # tests/borrow_engine.py: bytes of budget per page
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    remove_records(p)
 
 
 @pytest.fixture

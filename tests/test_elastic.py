@@ -13,7 +13,6 @@ import pytest
 from kvcached import config
 from kvcached.elastic import ElasticInstance, ElasticPool, IdleAction, ReleaseFence, cache_excess_tokens
 from kvcached.kv_cache_manager import KVCacheManager
-from limits_helpers import remove_records, unique_prefix
 
 KiB = 1 << 10
 P = 128 * KiB
@@ -138,13 +137,6 @@ def test_a_watcher_poked_while_its_engine_is_busy_does_not_spin(host_plane):
     inst.close()
     m.shutdown()
     assert busy_calls < 300, busy_calls  # a spin makes ~10^5 calls in 0.3 s; 10 ms rechecks ~30
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    remove_records(p)
 
 
 def test_pool_over_a_lowered_limit_and_the_idle_action(host_plane, prefix, monkeypatch):

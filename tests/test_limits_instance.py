@@ -17,7 +17,7 @@ from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits import DeviceBudget, InstanceLimits, format_size, parse_size
 from kvcached.naming import default_instance_name, instance_name, validate_name
 from kvcached.naming import group_name as group_record_name
-from limits_helpers import BPP, LAYERS, PAGE, record_state, remove_records, unique_prefix
+from limits_helpers import BPP, LAYERS, PAGE, record_state
 
 PAGES = 16
 
@@ -42,13 +42,6 @@ def host():
     for pa in made:
         pa.stop_prealloc_thread()
     _C.shutdown_kvcached()
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    remove_records(p)
 
 
 def wait_applied(limits: InstanceLimits, revision: int, timeout: float = 10.0) -> float:

@@ -18,16 +18,9 @@ import pytest
 from kvcached import _C
 from kvcached.control import set_instance_memory_limit
 from kvcached.limits import DeviceBudget
-from limits_helpers import BPP, Worker, kvctl, kvctl_list_json, record_state, remove_records, unique_prefix
+from limits_helpers import BPP, Worker, kvctl, kvctl_list_json, record_state
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    remove_records(p)
 
 
 @pytest.fixture

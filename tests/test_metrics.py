@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcached import _C
 from kvcached.limits.budget import WANT_TTL_S
 from kvcached.metrics import KvcachedCollector, exporter
-from limits_helpers import BPP, Worker, kvctl, kvctl_list_json, poke, remove_records, unique_prefix
+from limits_helpers import BPP, Worker, kvctl, kvctl_list_json, poke
 
 BUDGET = 8 * BPP
 FIELDS = {  # metric -> the `kvctl list --json` key it shows
@@ -86,13 +86,6 @@ def check_agrees(samples: Samples, rows: Dict[str, dict]) -> None:
             assert value(samples, "kvcached_instance_state", **labels, state=state) == want
         held += r["held"]
     assert value(samples, "kvcached_device_held_bytes", device="cpu") >= held  # other runs may share the host
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    remove_records(p)
 
 
 @pytest.fixture

@@ -26,9 +26,7 @@ from limits_helpers import (
     kvctl,
     kvctl_list_json,
     poke,
-    remove_records,
     shm_path,
-    unique_prefix,
 )
 from test_metrics import Exporter, parse, scrape, value
 
@@ -49,13 +47,6 @@ for _ in range(n // 1000):
     t.observe("unmap_seconds", 0.002)
 print("done", flush=True)
 """
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    remove_records(p)
 
 
 def labels_of(w: Worker) -> dict:

@@ -21,14 +21,7 @@ import pytest
 
 from kvcached import _C
 from kvcached.limits import DeviceBudget, list_records
-from limits_helpers import BPP, Worker, kvctl, peek, poke, remove_records, shm_path, unique_prefix
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    remove_records(p)
+from limits_helpers import BPP, Worker, kvctl, peek, poke, shm_path
 
 
 @pytest.fixture
