@@ -25,6 +25,7 @@ CMD runs on and the budget no longer counts its memory (``kvctl list``: dead).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -42,8 +43,9 @@ _SI_KERNEL = 0x80  # si_code of a signal the kernel sent (a terminal's Ctrl-C), 
 USAGE = "kvctl borrow SIZE [options] -- CMD [ARG ...]"
 
 
-def add_parser(sub: Any) -> None:
-    """The ``borrow`` subcommand (its CMD is split off by ``split_command`` before parsing)."""
+def add_parser(sub: Any, bad_input: type) -> None:
+    """The ``borrow`` subcommand (its CMD is split off by ``split_command`` before parsing);
+    ``bad_input`` is kvctl's BadInput, raised for user errors."""
     s = sub.add_parser("borrow", usage=USAGE, help="hold device memory for a command that is not an engine")
     s.add_argument("size", help="bytes or K/M/G/T suffix (e.g. 40G)")
     s.add_argument("--device", default="cuda", help="cuda (default: cuda:0), cuda:N or cpu (the host budget)")
@@ -57,7 +59,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--priority", action="store_true", help="also lower engines' limits (preempts running requests)")
     s.add_argument("--name", help="record name (default kvcached_job_<pid>)")
     s.add_argument("--json", action="store_true", help="print what is held as JSON on stdout before CMD runs")
-    s.set_defaults(func=None, command=None)  # kvctl.main runs it through run()
+    s.set_defaults(func=functools.partial(run, bad_input=bad_input), command=None)
 
 
 def split_command(argv: List[str]) -> Tuple[List[str], Optional[List[str]]]:

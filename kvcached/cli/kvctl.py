@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix", default="", help="only instances whose name starts with this")
     s.set_defaults(func=cmd_metrics)
 
-    borrow_cmd.add_parser(sub)
+    borrow_cmd.add_parser(sub, BadInput)
 
     # Listed for --help; main() hands these to kvtop / the shell before parsing.
     sub.add_parser("kvtop", help="live table of instances (same as `kvtop`; see `kvtop --help`)")
@@ -325,10 +325,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["borrow"]:
         argv, command = borrow_cmd.split_command(argv)  # CMD's arguments are not kvctl's
     args = build_parser().parse_args(_protect_negative_sizes(argv))
+    if command is not None:
+        args.command = command
     try:
-        if args.cmd == "borrow":
-            args.command = command
-            return borrow_cmd.run(args, BadInput)
         return int(args.func(args))
     except BadInput as e:
         print(f"kvctl: error: {e}", file=sys.stderr)

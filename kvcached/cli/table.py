@@ -92,8 +92,8 @@ def problems(records: Sequence[RecordView]) -> List[str]:
     for r in records:
         if r.damaged:
             out.append(
-                f"! {printable(r.name)}: damaged while its owner lives; budgets count it as holding all of its device "
-                f"until it is restarted: {printable(r.problem, 300)}"
+                f"! {printable(r.name)}: damaged while its owner lives; every budget of this user counts it as "
+                f"full until it is restarted: {printable(r.problem, 300)}"
             )
         elif r.problem:
             out.append(f"! {printable(r.name)}: invalid, ignored by budgets: {printable(r.problem, 300)}")
