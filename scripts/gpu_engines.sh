@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU engine proof (issue: vLLM on the H200 with kvcached), on any CUDA machine whose
 # python3 has vLLM and kvcached (on the lent H200: source scripts/gpu_device_install.sh first).
+#   suite        the test suite with the CUDA backend and the data-plane benchmarks
+#                (scripts/gpu_suite.sh --ignore=tests/engines), beside the other steps of its group
 #   model        random-weight Llama-3-8B and Llama-3.2-1B shapes in bf16, drawn on the GPU,
 #                word-level tokenizer (kvcached.testing.tiny_model --preset), and a small
 #                DeepSeek-V2 (MLA) with the latent sizes GPU kernels take and a small
@@ -22,6 +24,8 @@
 #   hybrid-eager, hybrid-sync
 #                the same pair without CUDA graphs / without async scheduling: which one the
 #                2026-12-04 difference (docs/GPU.md) needs
+#   hybrid-real  a Qwen3-Next with the real model's layer shapes (float32 state: a block larger than
+#                the 2 MiB page) served without KVCACHED_PAGE_SIZE: the page is chosen from the spec
 #   hybrid-limit the Qwen3-Next under a small limit, bfloat16 with float32 state (vLLM's GDN prefill
 #                takes no float32 input and has no batch-invariant kernels: the control decides)
 #   overhead     vllm bench serve native vs kvcached (and a kvcached that keeps emptied pages
@@ -59,6 +63,7 @@ big="$WORK/models/llama3-8b"
 small="$WORK/models/llama3-1b"
 mla="$WORK/models/deepseek-v2-mla"
 hybrid="$WORK/models/qwen3-next"
+hybrid_real="$WORK/models/qwen3-next-real"
 proof=scripts/gpu_proof
 sglang_path=${KVCACHED_SGLANG_PYTHONPATH:-/tmp/sc-sglang}
 vllm_path=${KVCACHED_VLLM_PYTHONPATH:-/tmp/sc-vllm}
@@ -78,6 +83,8 @@ for step in "${steps[@]}"; do
   echo "== $(date -Is) $step" | tee -a "$OUT/steps.txt"
   t0=$(date +%s)
   case "$step" in
+    suite) OUT="$OUT/suite" bash scripts/gpu_suite.sh --ignore=tests/engines > "$OUT/suite.log" 2>&1 || rc=1
+      { grep -E "passed|failed" "$OUT/suite/pytest.log" | tail -3; tail -n 4 "$OUT"/suite/bench_*.txt; } > "$OUT/suite.txt" ;;
     model)
       for m in "$big:llama3-8b" "$small:llama3-1b"; do
         dir=${m%%:*}
@@ -88,6 +95,8 @@ for step in "${steps[@]}"; do
         --gpu-shapes --vocab-size 32000 || rc=1
       [ -f "$hybrid/config.json" ] || python3 -m kvcached.testing.tiny_families qwen3_next "$hybrid" \
         --gpu-shapes --vocab-size 32000 || rc=1
+      [ -f "$hybrid_real/config.json" ] || python3 -m kvcached.testing.tiny_families qwen3_next "$hybrid_real" \
+        --real-shapes --vocab-size 32000 || rc=1
       du -sh "$WORK/models"/* | tee -a "$OUT/steps.txt" ;;
     limits) run "$step" $proof/limits.py --model "$big" ;;
     # 200 prompts need 18.9 GiB of KV if nothing is ever evicted: 22G each.
@@ -106,6 +115,10 @@ for step in "${steps[@]}"; do
       [ "$step" = hybrid-eager ] && knob='"enforce_eager": true' || knob='"async_scheduling": false'
       run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 --kv 2G \
         --only native,kvcached --engine-args "${gdn%\}}, $knob}" ;;
+    hybrid-real) unset KVCACHED_PAGE_SIZE  # the point: no page-size variable
+      run "$step" $proof/correctness.py --model "$hybrid_real" \
+      --allow-unsupported --prompts 100 --kv 4G --only native,kvcached,native-2 --control \
+      --mamba-ssm-cache-dtype float32 --engine-args "$gdn" ;;
     hybrid-limit) run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 \
       --kv 2G --limit 256M --only native,kvcached-limit,native-small --control --no-batch-invariant \
       --mamba-ssm-cache-dtype float32 --engine-args "${gdn%\}}, \"max_num_seqs\": 256}" ;;
@@ -136,7 +149,7 @@ for step in "${steps[@]}"; do
       --plot "$OUT/gpu_mixed_engines.png" ;;
     router-mixed) PYTHONPATH=$vllm_path run "$step" $proof/router_three.py --model "$small" \
       --models A=vllm:kv,B=sglang:kv "${both[@]}" --plot "$OUT/gpu_router_mixed.png" ;;
-    *) echo "unknown step $step (model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-limit overhead three router sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed)" >&2
+    *) echo "unknown step $step (suite model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-real hybrid-limit overhead three router sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

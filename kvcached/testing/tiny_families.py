@@ -147,6 +147,8 @@ def _deepseek_v2_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
 def _qwen3_next_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     from transformers import Qwen3NextConfig
 
+    if sizes.get("real_shapes"):
+        return _qwen3_next_real_config(vocab, sizes)
     cfg = Qwen3NextConfig(
         vocab_size=sizes["vocab_size"],
         hidden_size=64,
@@ -181,6 +183,39 @@ def _qwen3_next_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
         # makes every layer's MLP a MoE block (its checkpoint loader expects the weights).
         cfg.full_attention_interval = 2
         cfg.mlp_only_layers = []
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    return cfg
+
+
+def _qwen3_next_real_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
+    """Qwen3-Next-80B-A3B's layer shapes (attention and gated-delta-net sizes), 4 layers, 4
+    small experts: one layer's recurrent state is 32 x 128 x 128 values (2 MiB in float32)
+    plus its conv state, larger than the 2 MiB page, as in the real model."""
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(
+        vocab_size=sizes["vocab_size"],
+        hidden_size=2048,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        mlp_only_layers=[0, 1, 2],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        max_position_embeddings=sizes["max_position_embeddings"],
+        **_token_ids(vocab),
+        tie_word_embeddings=False,
+    )
     cfg.architectures = ["Qwen3NextForCausalLM"]
     return cfg
 
@@ -254,13 +289,15 @@ def build_tiny_family(
     max_position_embeddings: int = 4096,
     sliding_window: int = 64,
     gpu_shapes: bool = False,
+    real_shapes: bool = False,
     sglang: bool = False,
 ) -> str:
     """Write a tiny random ``family`` checkpoint + tokenizer to ``path``; return ``path``.
 
     ``gpu_shapes``: the attention sizes GPU kernels require (DeepSeek-V2's MLA:
     latent 512 + rope 64; Qwen3-Next: more than one value head), few layers, so the
-    family runs on a GPU engine. ``sglang``: the layout SGLang's model class loads (Qwen3-Next:
+    family runs on a GPU engine. ``real_shapes`` (Qwen3-Next only): the real model's layer
+    sizes, whose state blocks exceed the 2 MiB page. ``sglang``: the layout SGLang's model class loads (Qwen3-Next:
     every layer MoE, attention placed by ``full_attention_interval``)."""
     import torch
     from transformers import GenerationConfig
@@ -275,8 +312,11 @@ def build_tiny_family(
         max_position_embeddings=max_position_embeddings,
         sliding_window=sliding_window,
         gpu_shapes=gpu_shapes,
+        real_shapes=real_shapes,
         sglang=sglang,
     )
+    if real_shapes and family != "qwen3_next":
+        raise ValueError("real_shapes: only qwen3_next has them (its state blocks exceed a 2 MiB page)")
     cfg = FAMILIES[family](vocab, sizes)
     cfg.torch_dtype = "float32"
     torch.manual_seed(seed)
@@ -302,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="attention sizes GPU kernels require (MLA: 512 + 64; Qwen3-Next: 4 value heads)",
     )
+    ap.add_argument(
+        "--real-shapes",
+        action="store_true",
+        help="qwen3_next: the real model's layer sizes (state blocks larger than the 2 MiB page)",
+    )
     a = ap.parse_args(argv)
     path = build_tiny_family(
         a.outdir,
@@ -310,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         sliding_window=a.sliding_window,
         vocab_size=a.vocab_size,
         gpu_shapes=a.gpu_shapes,
+        real_shapes=a.real_shapes,
     )
     print(path)
     return 0
