@@ -430,11 +430,13 @@ def test_kvctl_borrow_runs_the_command_with_the_memory_and_passes_its_status(pre
         (["1M", "--device", "cpu"], "give the command after --"),
         (["1M", "--device", "cpu", "--timeout", "inf", "--", "true"], "--timeout"),
         (["1G", "--device", "cpu", "--", "true"], "more than the whole budget"),
-        (["1M", "--device", "cuda:5", "--", "true"], "cannot borrow on device"),
+        # No CUDA here: no CUDA device can be borrowed; on a GPU machine: that one is not there.
+        (["1M", "--device", "cuda:5", "--", "true"], ("cannot borrow on device", "does not exist")),
     ):
         p = _kvctl_borrow(*bad)
         _, err = p.communicate(timeout=60)
-        assert p.returncode == 2 and why in err and err.count("\n") == 1, (bad, err)
+        whys = (why,) if isinstance(why, str) else why
+        assert p.returncode == 2 and any(w in err for w in whys) and err.count("\n") == 1, (bad, err)
 
 
 def test_the_kvctl_shell_runs_no_borrow(tmp_path):
