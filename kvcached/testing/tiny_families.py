@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict
 
 from kvcached.testing.tiny_model import _vocab, _write_tokenizer
 
-__all__ = ["FAMILIES", "build_tiny_family"]
+__all__ = ["BUILDERS", "FAMILIES", "build_tiny", "build_tiny_family"]
 
 
 def _token_ids(vocab: Dict[str, int]) -> Dict[str, int]:
@@ -254,6 +254,23 @@ FAMILIES: Dict[str, Callable[[Dict[str, int], Dict[str, Any]], Any]] = {
     "qwen3_next": _qwen3_next_config,
     "lfm2": _lfm2_config,
 }
+
+
+# Every tiny model a family of ``kvcached.integration.families`` can name as its builder:
+# ``llama`` (``tiny_model``) and the families above.
+BUILDERS = ("llama", *FAMILIES)
+
+
+def build_tiny(path: str, builder: str, **kwargs: Any) -> str:
+    """Write ``builder``'s tiny model (one of ``BUILDERS``) to ``path``, unless a checkpoint
+    is there already; return ``path``. ``kwargs`` go to ``build_tiny_family``."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if builder == "llama":
+        from kvcached.testing.tiny_model import build_tiny_llama
+
+        return build_tiny_llama(path, **kwargs)
+    return build_tiny_family(path, builder, **kwargs)
 
 
 def _seed_weights(model: Any, seed: int) -> None:
