@@ -119,6 +119,9 @@ class Family:
         return any(self.status(engine, d).state != REFUSED for d in DEVICES)
 
 
+_GPU_DOC = "docs/GPU.md"  # the record of every run on the lent H200
+
+
 def _minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
@@ -128,24 +131,26 @@ def ci(text: str = "", *, versions: Sequence[str] = (), ref: str = "") -> Status
     return Status(PROVEN, tuple(versions), True, text, ref)
 
 
-def h200(versions: Sequence[str], text: str, ref: str = "docs/GPU.md") -> Status:
+def h200(versions: Sequence[str], text: str, ref: str = _GPU_DOC) -> Status:
     """Proven by hand on the lent H200, with a native control."""
     return Status(PROVEN, tuple(versions), False, text, ref)
 
 
 def classes(text: str, ref: str) -> Status:
+    """Proven from the engine's own classes (``ref``: the test); ``text`` says why not on the engine."""
     return Status(CLASSES, text=text, ref=ref)
 
 
 def not_run(text: str = "") -> Status:
+    """Served but not run there (``text``: why not, where the engine cannot run it)."""
     return Status(NOT_RUN, text=text)
 
 
 def refused(why: str = "") -> Status:
+    """Refused at start-up in one line; ``why`` is the reason the line gives."""
     return Status(REFUSED, text=why)
 
 
-_GPU_DOC = "docs/GPU.md"
 # SGLang refuses a family it has no pool for where it builds one: not run per family.
 _SGLANG_REFUSES = refused("when SGLang builds a pool or allocator kvcached does not back (built-allocator check)")
 
