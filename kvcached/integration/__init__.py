@@ -2,5 +2,6 @@
 
 Each has an ``interfaces`` module with the upstream kvcached names
 (``init_kvcached``, ``shutdown_kvcached``, ``alloc_kv_cache``,
-``get_kv_cache_manager``). Importing this package imports no engine.
+``get_kv_cache_manager``). ``families`` is the one table of model families both
+engines serve or refuse. Importing this package imports no engine.
 """

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict
 
 from kvcached.testing.tiny_model import _vocab, _write_tokenizer
 
-__all__ = ["FAMILIES", "build_tiny_family"]
+__all__ = ["BUILDERS", "FAMILIES", "build_tiny", "build_tiny_family"]
 
 
 def _token_ids(vocab: Dict[str, int]) -> Dict[str, int]:
@@ -49,10 +49,9 @@ def _token_ids(vocab: Dict[str, int]) -> Dict[str, int]:
     return dict(bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
 
 
-def _gemma3_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
-    from transformers import Gemma3TextConfig
-
-    cfg = Gemma3TextConfig(
+def _gemma_sizes(sizes: Dict[str, Any]) -> Dict[str, Any]:
+    """What the tiny Gemma 3 and Gemma 4 share: 4 layers of 4 query and 2 KV heads of 32."""
+    return dict(
         vocab_size=sizes["vocab_size"],
         hidden_size=64,
         intermediate_size=128,
@@ -62,6 +61,14 @@ def _gemma3_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
         head_dim=32,
         max_position_embeddings=sizes["max_position_embeddings"],
         sliding_window=sizes["sliding_window"],
+    )
+
+
+def _gemma3_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        **_gemma_sizes(sizes),
         # Gemma 3's pattern (5 local : 1 global), shortened: local, local, global, local.
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         final_logit_softcapping=None,
@@ -78,17 +85,9 @@ def _gemma4_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     from transformers import Gemma4TextConfig
 
     cfg = Gemma4TextConfig(
-        vocab_size=sizes["vocab_size"],
+        **_gemma_sizes(sizes),
         vocab_size_per_layer_input=sizes["vocab_size"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
         global_head_dim=64,  # global layers: twice the local head size
-        max_position_embeddings=sizes["max_position_embeddings"],
-        sliding_window=sizes["sliding_window"],
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         hidden_size_per_layer_input=0,  # no per-layer input embeddings (Gemma 4 E-models only)
         num_kv_shared_layers=0,
@@ -144,17 +143,26 @@ def _deepseek_v2_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     return cfg
 
 
-def _qwen3_next_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
-    from transformers import Qwen3NextConfig
-
+def _qwen3_next_shape(sizes: Dict[str, Any]) -> Dict[str, Any]:
+    """The sizes of the tiny Qwen3-Next's layers. ``real_shapes``: Qwen3-Next-80B-A3B's
+    (attention and gated-delta-net sizes, 4 small experts): one layer's recurrent state is
+    32 x 128 x 128 values (2 MiB in float32) plus its conv state, larger than the 2 MiB page,
+    as in the real model."""
     if sizes.get("real_shapes"):
-        return _qwen3_next_real_config(vocab, sizes)
-    cfg = Qwen3NextConfig(
-        vocab_size=sizes["vocab_size"],
+        return dict(
+            hidden_size=2048,
+            intermediate_size=2048,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+        )
+    return dict(
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
         # KV of 1 KiB per token: vLLM raises the attention block size until its page is
         # no smaller than one layer's recurrent state (~68 KiB here), so 80-token blocks:
         # a 130-token prompt fills one (a prefix-cache entry) and fits a 128 KiB page.
@@ -166,56 +174,34 @@ def _qwen3_next_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
         # from one projection) contiguous, which a single value head is not.
         linear_num_key_heads=2 if sizes.get("gpu_shapes") else 1,
         linear_num_value_heads=4 if sizes.get("gpu_shapes") else 1,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        mlp_only_layers=[0, 1, 2],
-        num_experts=4,
-        num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
-        max_position_embeddings=sizes["max_position_embeddings"],
-        **_token_ids(vocab),
-        tie_word_embeddings=False,
     )
-    if sizes.get("sglang"):
-        # SGLang's Qwen3-Next places its attention layers by full_attention_interval and
-        # makes every layer's MLP a MoE block (its checkpoint loader expects the weights).
-        cfg.full_attention_interval = 2
-        cfg.mlp_only_layers = []
-    cfg.architectures = ["Qwen3NextForCausalLM"]
-    return cfg
 
 
-def _qwen3_next_real_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
-    """Qwen3-Next-80B-A3B's layer shapes (attention and gated-delta-net sizes), 4 layers, 4
-    small experts: one layer's recurrent state is 32 x 128 x 128 values (2 MiB in float32)
-    plus its conv state, larger than the 2 MiB page, as in the real model."""
+def _qwen3_next_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     from transformers import Qwen3NextConfig
 
     cfg = Qwen3NextConfig(
         vocab_size=sizes["vocab_size"],
-        hidden_size=2048,
-        intermediate_size=2048,
         num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
         mlp_only_layers=[0, 1, 2],
         num_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
         max_position_embeddings=sizes["max_position_embeddings"],
+        **_qwen3_next_shape(sizes),
         **_token_ids(vocab),
         tie_word_embeddings=False,
     )
+    if sizes.get("sglang") and not sizes.get("real_shapes"):
+        # SGLang's Qwen3-Next places its attention layers by full_attention_interval and
+        # makes every layer's MLP a MoE block (its checkpoint loader expects the weights).
+        cfg.full_attention_interval = 2
+        cfg.mlp_only_layers = []
     cfg.architectures = ["Qwen3NextForCausalLM"]
     return cfg
 
@@ -254,6 +240,23 @@ FAMILIES: Dict[str, Callable[[Dict[str, int], Dict[str, Any]], Any]] = {
     "qwen3_next": _qwen3_next_config,
     "lfm2": _lfm2_config,
 }
+
+
+# Every tiny model a family of ``kvcached.integration.families`` can name as its builder:
+# ``llama`` (``tiny_model``) and the families above.
+BUILDERS = ("llama", *FAMILIES)
+
+
+def build_tiny(path: str, builder: str, **kwargs: Any) -> str:
+    """Write ``builder``'s tiny model (one of ``BUILDERS``) to ``path``, unless a checkpoint
+    is there already; return ``path``. ``kwargs`` go to ``build_tiny_family``."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if builder == "llama":
+        from kvcached.testing.tiny_model import build_tiny_llama
+
+        return build_tiny_llama(path, **kwargs)
+    return build_tiny_family(path, builder, **kwargs)
 
 
 def _seed_weights(model: Any, seed: int) -> None:

@@ -42,6 +42,7 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.utils import get_num_new_pages, next_power_of_2
 
+from kvcached.integration import families
 from kvcached.integration.sglang import conflicts
 from kvcached.integration.sglang.eviction import evict_until
 from kvcached.integration.sglang.pool import ElasticGroup, group_of, is_elastic_pool
@@ -94,7 +95,7 @@ class _ElasticAllocatorMixin:
             # only a subclass or a direct call gets here.
             raise conflicts.refuse(
                 f"SGLang's {type(kvcache).__name__} KV pool is not one kvcached makes elastic",
-                "use an MHA/GQA, MLA or sliding-window hybrid model",
+                f"use a model whose pool is one kvcached backs ({', '.join(families.sglang_pools())})",
             )
         self.kvcached_group = grp
         self._mgr = grp.manager

@@ -16,8 +16,14 @@ where the pools are built (so a pool constructed some other way is refused too).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, List
+
+from kvcached import config
+from kvcached.integration import families
+
+logger = logging.getLogger("kvcached.integration.sglang")
 
 _FIX = "or unset ENABLE_KVCACHED to run without kvcached"
 
@@ -29,6 +35,21 @@ class UnsupportedConfigurationError(ValueError):
 def refuse(what: str, fix: str) -> UnsupportedConfigurationError:
     """The error for one conflict: ``kvcached: <what>; <fix>, or unset ENABLE_KVCACHED ...``."""
     return UnsupportedConfigurationError(f"kvcached: {what}; {fix}, {_FIX}")
+
+
+def refuse_unproven_on_device(pool_class: str, device: Any) -> None:
+    """Refuses a pool of ``pool_class`` (SGLang's class name) on a device kind its family
+    is served on but not proven for (``families.refused_on``: Mamba state on a GPU);
+    ``KVCACHED_ALLOW_UNSUPPORTED=1`` builds it anyway, with one warning."""
+    kind = families.device_kind(str(device))
+    unproven = families.refused_on("sglang", kind).get(pool_class)
+    if unproven is None:
+        return
+    feature, why = unproven
+    what = f"{feature} is not supported on {families.DEVICE_WORDS[kind]} yet ({why})"
+    if not config.allow_unsupported():
+        raise refuse(what, "set KVCACHED_ALLOW_UNSUPPORTED=1 to try it anyway")
+    logger.warning("kvcached: KVCACHED_ALLOW_UNSUPPORTED=1: serving it on %s: %s", device, what)
 
 
 def _env_on(name: str) -> bool:

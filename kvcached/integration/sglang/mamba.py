@@ -36,7 +36,7 @@ from sglang.srt.mem_cache import memory_pool as _memory_pool
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from sglang.srt.mem_cache.memory_pool import MambaPool
 
-from kvcached import _C, config, vmm_ops
+from kvcached import _C, vmm_ops
 from kvcached.compat.sglang_mamba import StateLayout, smallest_divisor_at_least
 from kvcached.integration import kv_views
 from kvcached.integration.sglang import conflicts
@@ -59,12 +59,8 @@ def _refuse_options(device: Any, kwargs: dict) -> None:
     for name, why in _UNSUPPORTED_OPTIONS.items():
         if kwargs.get(name) not in (None, False):
             raise conflicts.refuse(f"the Mamba state pool: {why}", "drop that option to serve with kvcached")
-    if str(device).startswith("cuda"):
-        # As for vLLM's state blocks (kv_layout.UNPROVEN_ON_GPU): proven on the CPU engines only.
-        why = "Mamba / linear-attention state is proven on SGLang's CPU engine only, not yet on a GPU (docs/GPU.md)"
-        if not config.allow_unsupported():
-            raise conflicts.refuse(why, "set KVCACHED_ALLOW_UNSUPPORTED=1 to try it anyway")
-        logger.warning("kvcached: KVCACHED_ALLOW_UNSUPPORTED=1: serving it on %s: %s", device, why)
+    # As for vLLM's state blocks: proven on the CPU engines only (the family table says where).
+    conflicts.refuse_unproven_on_device(MambaPool.__name__, device)
     if str(device).startswith("cpu") and getattr(_memory_pool, "_cpu_has_amx_support", False):
         raise conflicts.refuse(
             "SGLang's AMX CPU kernels re-lay the Mamba conv state (_init_amx_conv_state)",

@@ -149,6 +149,7 @@ def check_built_allocator(alloc: Any, pool: Any) -> None:
     nobody maps, and a pool kvcached does not replace would silently run without it."""
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
+    from kvcached.integration import families
     from kvcached.integration.sglang.allocator import _ElasticAllocatorMixin
     from kvcached.integration.sglang.conflicts import refuse
     from kvcached.integration.sglang.pool import is_elastic_pool
@@ -172,7 +173,7 @@ def check_built_allocator(alloc: Any, pool: Any) -> None:
         )
     raise refuse(
         f"SGLang built {type(alloc).__name__} over {type(pool).__name__}, a combination kvcached "
-        "does not make elastic (supported: MHA/GQA and MLA models, SWA and Mamba hybrids)",
+        f"does not make elastic (it backs {', '.join(families.sglang_pools())}: README's model families)",
         "use a supported model and configuration",
     )
 

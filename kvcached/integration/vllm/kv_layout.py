@@ -55,6 +55,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 from kvcached import config
 from kvcached.block_geometry import BlockGeometry, page_size_for_block, page_utilization
 from kvcached.errors import InvalidArgumentError
+from kvcached.integration import families
 
 logger = logging.getLogger("vllm.kvcached")
 
@@ -342,38 +343,31 @@ def read_shared_by_tensors(tensors: Sequence[Any], groups: List[Any], num_blocks
 KVLayoutPlan.tensor_reader = staticmethod(read_layer_tensors)  # type: ignore[assignment]
 
 
-# KV cache spec classes kvcached backs. Full attention keeps every block until
-# its request frees it; sliding window frees the blocks that left the window
-# through ``BlockPool.free_blocks`` while the request runs (the elastic pool
-# returns them like any freed block), with its own block table per group.
-# Mamba / gated-delta-net state (``MambaSpec``) is added per vLLM version by
-# ``versions.py`` (``serve_spec``): from 0.29 a state block lies at its layer's
-# block address like a KV block, vLLM evens its page out with the attention
-# pages, and a request's state blocks come from and go back to the one pool.
-# Subclasses not listed (R-SWA, chunked local, attention sinks, hidden-state
-# caches, ...) are refused: they free, size or write blocks in ways no test on a
-# real engine has checked.
-SUPPORTED_SPECS: Tuple[str, ...] = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
+# KV cache spec classes kvcached backs, from the family table (``families.py``). Full
+# attention keeps every block until its request frees it; sliding window frees the
+# blocks that left the window through ``BlockPool.free_blocks`` while the request runs
+# (the elastic pool returns them like any freed block), with its own block table per
+# group. Mamba / gated-delta-net state (``MambaSpec``) is added per vLLM version by the
+# patches its family names (``serve_specs_of_patch``): from 0.29 a state block lies at its
+# layer's block address like a KV block, vLLM evens its page out with the attention
+# pages, and a request's state blocks come from and go back to the one pool. Other
+# classes (R-SWA, chunked local, attention sinks, hidden-state caches, ...) are refused:
+# they free, size or write blocks in ways no test on a real engine has checked.
+SUPPORTED_SPECS: Tuple[str, ...] = families.vllm_served_specs()
 
 
 def serve_spec(name: str) -> None:
-    """Back one more spec class from now on (a version patch that proved it, e.g.
-    ``mamba_state_0_29``: Mamba / gated-delta-net state blocks)."""
+    """Back one more spec class from now on."""
     global SUPPORTED_SPECS
     if name not in SUPPORTED_SPECS:
         SUPPORTED_SPECS = (*SUPPORTED_SPECS, name)
 
 
-# What a refused spec class is, for the one line that names the model feature.
-_SPEC_FEATURES = {
-    "SlidingWindowMLASpec": "sliding-window MLA attention",
-    "RSWASpec": "sliding-window attention (R-SWA)",
-    "ChunkedLocalAttentionSpec": "chunked local attention",
-    "MambaSpec": "Mamba / linear-attention state",
-    "CrossAttentionSpec": "cross attention (encoder-decoder)",
-    "EncoderOnlyAttentionSpec": "encoder-only attention",
-    "SinkFullAttentionSpec": "attention sinks",
-}
+def serve_specs_of_patch(patch: str) -> None:
+    """Back the spec classes of the families served by the version patch ``patch`` (e.g.
+    ``mamba_state_0_29``: Mamba / gated-delta-net state blocks), once it applies."""
+    for name in families.vllm_specs_of_patch(patch):
+        serve_spec(name)
 
 
 def _specs_of(spec: Any) -> List[Any]:
@@ -395,7 +389,10 @@ def refuse_unsupported_model(kv_cache_config: Any) -> None:
     groups, kinds = _groups_and_kinds(kv_cache_config)
     for kind in kinds:
         if kind not in SUPPORTED_SPECS:
-            feature = _SPEC_FEATURES.get(kind, "a KV cache type other than full and sliding-window attention")
+            # The feature of the family the class marks, for the one line that names it.
+            feature = families.vllm_spec_features().get(
+                kind, "a KV cache type other than full and sliding-window attention"
+            )
             hybrid = f" in a model of {len(groups)} KV cache groups ({', '.join(kinds)})" if len(groups) > 1 else ""
             raise InvalidArgumentError(
                 f"kvcached does not support {feature} yet (KV cache spec {kind}{hybrid}); "
@@ -403,34 +400,29 @@ def refuse_unsupported_model(kv_cache_config: Any) -> None:
             )
 
 
-# Spec kinds proven on the CPU engines but not on a GPU. On the H200 (2026-12-04,
-# docs/GPU.md) a small Qwen3-Next with kvcached gave other greedy tokens than native
-# in 29 of 200 sequences with the very same schedule, where two native runs agreed on
-# all 200; until that is explained, a GPU worker fails closed on them.
-UNPROVEN_ON_GPU: Dict[str, str] = {
-    "MambaSpec": "on the H200 a Qwen3-Next gave other greedy tokens than without kvcached (docs/GPU.md)",
-}
-
-
+# Spec kinds served on one device kind but refused on another come from the family table
+# (``families.refused_on``): on the H200 (2026-12-04, docs/GPU.md) a small Qwen3-Next with
+# kvcached gave other greedy tokens than native in 29 of 200 sequences with the very same
+# schedule, where two native runs agreed on all 200; until that is explained, a GPU worker
+# fails closed on Mamba state.
 def refuse_unproven_on_device(kv_cache_config: Any, device: str) -> None:
     """One line when a KV cache group is of a kind not yet proven on ``device``'s kind
-    (``UNPROVEN_ON_GPU`` on a CUDA / ROCm device); ``KVCACHED_ALLOW_UNSUPPORTED=1``
-    serves it anyway, with one warning."""
-    if not device.startswith("cuda"):
-        return
-    for kind in _groups_and_kinds(kv_cache_config)[1]:
-        why = UNPROVEN_ON_GPU.get(kind)
-        if why is None:
+    (``families.refused_on``; Mamba state on a CUDA / ROCm device);
+    ``KVCACHED_ALLOW_UNSUPPORTED=1`` serves it anyway, with one warning."""
+    kind = families.device_kind(device)
+    unproven = families.refused_on("vllm", kind)
+    for spec in _groups_and_kinds(kv_cache_config)[1]:
+        if spec not in unproven:
             continue
-        feature = _SPEC_FEATURES.get(kind, kind)
+        feature, why = unproven[spec]
         if config.allow_unsupported():
             logger.warning(
                 "kvcached: KVCACHED_ALLOW_UNSUPPORTED=1: serving %s on %s, not proven there: %s", feature, device, why
             )
             continue
         raise InvalidArgumentError(
-            f"kvcached does not support {feature} on a GPU yet ({why}); unset ENABLE_KVCACHED for this model, "
-            "or KVCACHED_ALLOW_UNSUPPORTED=1 to try it anyway"
+            f"kvcached does not support {feature} on {families.DEVICE_WORDS[kind]} yet ({why}); unset "
+            "ENABLE_KVCACHED for this model, or KVCACHED_ALLOW_UNSUPPORTED=1 to try it anyway"
         )
 
 

@@ -112,11 +112,11 @@ _SPECS: List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]] = [
      _call("kvcached.integration.vllm.kv_regions", "patch_kv_cache_configs"),
      "the engine core's KV cache configs get page-aligned layer regions before workers and scheduler see them"),
     ("mamba_state_shared_by_0_28", "vllm.v1.kv_cache_interface", ("kv_buffer", "shared_by"),
-     lambda target: importlib.import_module(_LAYOUT).serve_spec("MambaSpec"),
+     lambda target: importlib.import_module(_LAYOUT).serve_specs_of_patch("mamba_state_shared_by_0_28"),
      "<=0.28: Mamba / gated-delta-net state (MambaSpec) blocks at b * page bytes of their shared_by buffer: "
      "backed like KV blocks (proven on the 0.26 and 0.28 CPU engines with Qwen3-Next)"),
     ("mamba_state_0_29", "vllm.v1.kv_cache_interface", ("kv_buffer", "layers"),
-     lambda target: importlib.import_module(_LAYOUT).serve_spec("MambaSpec"),
+     lambda target: importlib.import_module(_LAYOUT).serve_specs_of_patch("mamba_state_0_29"),
      "Mamba / gated-delta-net state (MambaSpec) blocks at their layer's block address in the one buffer: "
      "backed like KV blocks (proven on 0.29 and 0.32 CPU engines with Qwen3-Next)"),
     ("mamba_state_views_as_strided_0_26", "vllm.v1.kv_cache_interface", ("mamba_views", "as_strided"),

@@ -317,6 +317,6 @@ def test_a_slot_larger_than_a_page_and_unsupported_options_stop_start_up_with_on
 
     with pytest.raises(UnsupportedConfigurationError) as err:
         _refuse_options("cuda:0", {})
-    assert "not yet on a GPU" in str(err.value) and "KVCACHED_ALLOW_UNSUPPORTED=1" in str(err.value)
+    assert "not supported on a GPU yet" in str(err.value) and "KVCACHED_ALLOW_UNSUPPORTED=1" in str(err.value)
     monkeypatch.setenv("KVCACHED_ALLOW_UNSUPPORTED", "1")
     _refuse_options("cuda:0", {})

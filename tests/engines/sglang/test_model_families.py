@@ -48,6 +48,8 @@ from typing import Any, Dict
 
 import pytest
 
+from kvcached.integration import families
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "sglang_family_driver.py")
 STUBS = os.path.join(os.path.dirname(HERE), "sglang_stubs")
@@ -57,8 +59,9 @@ KV_PAGE = 4096  # small kvcached pages: a request spans many of them
 # no_buffer radix strategy (the one without per-chunk state snapshots) runs without overlap.
 HYBRID_PAGE = 256 * 1024
 
-# family -> (model, driver config). Pools (--max-total-tokens, the same in both runs)
-# far below what workload A's 8 requests (40-47 prompt tokens + up to a_new) need together.
+# The cases (and each one's model) come from the family table; here, each case's driver
+# config. Pools (--max-total-tokens, the same in both runs) far below what workload A's 8
+# requests (40-47 prompt tokens + up to a_new) need together.
 # Hybrid-state models: SGLang's radix strategy without per-chunk state snapshots (none on a
 # CPU) runs without overlap scheduling; a bounded state pool (SGLang sizes it from the budget
 # otherwise: millions of 1 KiB LFM2 slots, too many mappings for the host backend's 4 KiB
@@ -72,31 +75,23 @@ HYBRID_ENGINE = dict(
     max_mamba_cache_size=48,
     enable_tokenizer_batch_encode=True,
 )
-CASES: Dict[str, Any] = {
-    "gemma3": ("gemma3", dict(max_total_tokens=2100, a_new=300, long=2000, long_prompts=1)),
-    "llama-fp8": ("llama", dict(max_total_tokens=700, a_new=120, kv_cache_dtype="fp8_e4m3")),
-    "lfm2": ("lfm2", dict(max_total_tokens=2100, a_new=300, long=2000, long_prompts=1, multi_turn=True,
-                          engine=HYBRID_ENGINE)),
-}  # fmt: skip
+CASES = families.cases("sglang")
+WORKLOADS: Dict[str, Any] = {
+    "gemma3": dict(max_total_tokens=2100, a_new=300, long=2000, long_prompts=1),
+    "llama-fp8": dict(max_total_tokens=700, a_new=120, kv_cache_dtype="fp8_e4m3"),
+    "lfm2": dict(max_total_tokens=2100, a_new=300, long=2000, long_prompts=1, multi_turn=True, engine=HYBRID_ENGINE),
+}
 HYBRID_PATH = CPU_TORCH + os.pathsep + STUBS  # engine processes of the hybrid-state families
 QWEN3_NEXT = dict(page_size=1, max_total_tokens=2000, start_only=True, engine=HYBRID_ENGINE)
 RETRACTED = ("KV cache pool is full. Retract requests.", "Testing retraction.")
 RETRACT_EVERY = 64  # decode steps
 
 
-def _model(root, kind: str) -> str:
-    path = os.path.join(str(root), f"tiny_{kind}")
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    if kind == "llama":
-        from kvcached.testing.tiny_model import build_tiny_llama
+def _model(root, builder: str, **kwargs: Any) -> str:
+    from kvcached.testing.tiny_families import build_tiny
 
-        return build_tiny_llama(path)
-    from kvcached.testing.tiny_families import build_tiny_family
-
-    if kind == "qwen3_next_sglang":
-        return build_tiny_family(path, "qwen3_next", sglang=True)
-    return build_tiny_family(path, kind)
+    suffix = "_sglang" if kwargs.get("sglang") else ""
+    return build_tiny(os.path.join(str(root), f"tiny_{builder}{suffix}"), builder, **kwargs)
 
 
 def _env(kv: bool, name: str, kv_page: int = KV_PAGE, path: str = STUBS) -> Dict[str, str]:
@@ -141,9 +136,9 @@ def _run(work, key: str, cfg: Dict[str, Any], kv: bool, **env: Any) -> Dict[str,
 @pytest.fixture(scope="module", params=sorted(CASES))
 def runs(request, tmp_path_factory):
     family = request.param
-    kind, spec = CASES[family]
+    spec = WORKLOADS[family]
     work = tmp_path_factory.mktemp(f"family_{family}")
-    cfg = dict(spec, model=_model(tmp_path_factory.getbasetemp(), kind), page_size=1)
+    cfg = dict(spec, model=_model(tmp_path_factory.getbasetemp(), CASES[family].builder), page_size=1)
     env = dict(path=HYBRID_PATH) if "engine" in spec else {}
     native = _run(work, f"{family}-native", cfg, False, **env)
     kv = _run(work, f"{family}-kvcached", cfg, True, **env)
@@ -152,14 +147,14 @@ def runs(request, tmp_path_factory):
 
 def test_greedy_tokens_identical_with_prefix_caching_and_retraction(runs) -> None:
     family, native, kv = runs
-    a_new = CASES[family][1]["a_new"]
+    a_new = WORKLOADS[family]["a_new"]
     assert len(kv["tokens1"]) == 8 and max(len(t) for t in kv["tokens1"]) == a_new, family
     assert kv["tokens1"] == native["tokens1"], family
     assert kv["tokens2"] == native["tokens2"], family
-    if not CASES[family][1].get("multi_turn"):  # pass 2 repeated pass 1's prompts
+    if not WORKLOADS[family].get("multi_turn"):  # pass 2 repeated pass 1's prompts
         assert native["tokens2"] == [t[:16] for t in native["tokens1"]], family
     assert kv.get("tokensL") == native.get("tokensL"), family
-    assert kv["max_total_num_tokens"] == native["max_total_num_tokens"] == CASES[family][1]["max_total_tokens"]
+    assert kv["max_total_num_tokens"] == native["max_total_num_tokens"] == WORKLOADS[family]["max_total_tokens"]
     for run in (native, kv):
         # Running requests were retracted (their KV freed and recomputed later) ...
         assert any(r in run["log"] for r in RETRACTED), family
@@ -174,7 +169,7 @@ def test_kvcached_backs_the_pool_and_pages_follow_the_load(runs) -> None:
     assert rep["allocator_class"] == "ElasticTokenToKVPoolAllocator", rep["allocator_class"]
     pool, *state = sorted(rep["pools"], key=lambda p: p["group_id"])
     assert pool["pool_class"] == "ElasticMHATokenToKVPool", pool["pool_class"]
-    if "engine" in CASES[family][1]:  # a hybrid: the state pool is elastic too, with its own record
+    if "engine" in WORKLOADS[family]:  # a hybrid: the state pool is elastic too, with its own record
         assert rep["pool_class"] == "HybridLinearKVPool", rep["pool_class"]
         ((state,),) = (state,)
         assert state["pool_class"] == "ElasticMambaPool" and state["record"]["name"] == f"{kv['record_name']}_g1"
@@ -194,7 +189,7 @@ def test_kvcached_backs_the_pool_and_pages_follow_the_load(runs) -> None:
 
 def test_long_decode_crosses_many_pages(runs) -> None:
     family, native, kv = runs
-    if not CASES[family][1].get("long"):
+    if not WORKLOADS[family].get("long"):
         pytest.skip(f"{family}: no long workload")
     assert [len(t) for t in kv["tokensL"]] == [2000]
     pool = min(kv["report"]["pools"], key=lambda p: p["group_id"])  # the attention KV
@@ -211,7 +206,7 @@ def test_a_mamba_hybrid_engine_builds_its_state_and_kv_pools_elastic(tmp_path_fa
     the attention pool from kvcached's budget. Group 0 (the record named
     ``KVCACHED_IPC_NAME``) is the attention KV, the state's record is ``<name>_g1``."""
     work = tmp_path_factory.mktemp("family_qwen3_next")
-    cfg = dict(QWEN3_NEXT, model=_model(tmp_path_factory.getbasetemp(), "qwen3_next_sglang"))
+    cfg = dict(QWEN3_NEXT, model=_model(tmp_path_factory.getbasetemp(), "qwen3_next", sglang=True))
     kv = _run(work, "qwen3-next-kvcached", cfg, True, kv_page=HYBRID_PAGE, path=HYBRID_PATH)
     rep, name = kv["report"], kv["record_name"]
     assert (rep["pool_class"], rep["allocator_class"]) == ("HybridLinearKVPool", "ElasticTokenToKVPoolAllocator")
@@ -227,7 +222,7 @@ def test_a_mamba_hybrid_engine_builds_its_state_and_kv_pools_elastic(tmp_path_fa
 
 def test_a_mamba_state_slot_larger_than_the_page_stops_start_up_with_one_line(tmp_path_factory) -> None:
     work = tmp_path_factory.mktemp("family_qwen3_next_small_page")
-    cfg = dict(QWEN3_NEXT, model=_model(tmp_path_factory.getbasetemp(), "qwen3_next_sglang"), expect_failure=True)
+    cfg = dict(QWEN3_NEXT, model=_model(tmp_path_factory.getbasetemp(), "qwen3_next", sglang=True), expect_failure=True)
     kv = _run(work, "qwen3-next-small-page", cfg, True, kv_page=KV_PAGE, path=HYBRID_PATH)
     line = next((ln for ln in kv["log"].splitlines() if "one Mamba slot holds" in ln), None)
     assert line is not None, kv["log"][-4000:]

@@ -139,6 +139,22 @@ def test_mla_pool_layout_matches_native() -> None:
     assert a.alloc(8) is None
 
 
+def test_the_family_tables_pools_are_sglangs_classes() -> None:
+    """The pools the family table names (``families.sglang_pools``: quoted by the refusals
+    of a pool kvcached does not back) are SGLang's classes in this release; the leaf pools
+    kvcached builds subclass them (the composites hold elastic leaves: ``is_elastic_pool``)."""
+    from sglang.srt.mem_cache import memory_pool, swa_memory_pool
+
+    from kvcached.integration import families
+    from kvcached.integration.sglang import mamba, pool
+
+    for name in families.sglang_pools():
+        native = getattr(memory_pool, name, None) or getattr(swa_memory_pool, name, None)
+        assert native is not None, name
+        elastic = getattr(pool, f"Elastic{name}", None) or getattr(mamba, f"Elastic{name}", None)
+        assert elastic is None or issubclass(elastic, native), name
+
+
 def test_set_kv_buffer_reads_back_identically() -> None:
     """SGLang's own write path, through both pools, on slots each allocator handed out."""
     native, ours = _pools(2032, 16)

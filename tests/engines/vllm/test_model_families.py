@@ -30,14 +30,18 @@ import re
 import pytest
 import vllm_engine_helpers as h
 
-# family -> (builder kwargs, driver args); blocks chosen so that workload A (8
-# requests) cannot run at once: preemption in both runs.
-CASES = {
-    "llama-fp8": ("llama", ("--blocks", "12", "--kv-cache-dtype", "fp8")),
-    "gemma3": ("gemma3", ("--blocks", "80", "--long", "2000", "--long-prompts", "4")),
-    "gemma4": ("gemma4", ("--blocks", "40")),
-    "gemma4-one-group": ("gemma4", ("--blocks", "24", "--no-hybrid")),
-    "qwen3-next": ("qwen3_next", ("--blocks", "16", "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32")),
+from kvcached.integration import families
+
+# The cases (and each one's model) come from the family table; here, each case's workload:
+# driver args, blocks chosen so that workload A (8 requests) cannot run at once: preemption
+# in both runs.
+CASES = families.cases("vllm")
+WORKLOADS = {
+    "llama-fp8": ("--blocks", "12", "--kv-cache-dtype", "fp8"),
+    "gemma3": ("--blocks", "80", "--long", "2000", "--long-prompts", "4"),
+    "gemma4": ("--blocks", "40"),
+    "gemma4-one-group": ("--blocks", "24", "--no-hybrid"),
+    "qwen3-next": ("--blocks", "16", "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32"),
 }
 
 # bfloat16: a request resumed from a cached prefix or recomputed after a preemption
@@ -53,17 +57,10 @@ PASS_2_MAY_DIFFER = {"qwen3-next"}
 NO_FULL_BLOCK_OF_EVERY_GROUP = {"gemma4"}
 
 
-def _model(workdir: str, kind: str) -> str:
-    path = os.path.join(workdir, f"tiny_{kind}")
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    if kind == "llama":
-        from kvcached.testing.tiny_model import build_tiny_llama
+def _model(workdir: str, builder: str) -> str:
+    from kvcached.testing.tiny_families import build_tiny
 
-        return build_tiny_llama(path)
-    from kvcached.testing.tiny_families import build_tiny_family
-
-    return build_tiny_family(path, kind)
+    return build_tiny(os.path.join(workdir, f"tiny_{builder}"), builder)
 
 
 def _driver(model: str, out: str, env: dict, args) -> dict:
@@ -80,8 +77,8 @@ def _driver(model: str, out: str, env: dict, args) -> dict:
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def runs(request, workdir):
-    kind, args = CASES[request.param]
-    model = _model(workdir, kind)
+    args = WORKLOADS[request.param]
+    model = _model(workdir, CASES[request.param].builder)
     base = os.path.join(workdir, request.param)
     env = h.engine_env(False, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     native = _driver(model, base + "_native.json", env, args)
@@ -145,18 +142,16 @@ def test_blocks_that_do_not_divide_the_page_are_charged_what_the_worker_maps(wor
 
     if parse_version(vllm.__version__) not in V029_034:
         pytest.skip("0.26-0.28 lay each KV buffer on a page boundary already (kv_tensors_shared_by_0_28)")
-    from kvcached.testing.tiny_families import build_tiny_family
+    from kvcached.testing.tiny_families import build_tiny
 
-    model = os.path.join(workdir, "tiny_qwen3_next_gpu_shapes")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        build_tiny_family(model, "qwen3_next", gpu_shapes=True)
+    model = build_tiny(os.path.join(workdir, "tiny_qwen3_next_gpu_shapes"), "qwen3_next", gpu_shapes=True)
     name = f"kvt_family_unaligned_{os.getpid()}"
     page = 2 << 20
     env = h.engine_env(
         True, name, KVCACHED_HOST_MEMORY_BUDGET="256M", KVCACHED_PAGE_SIZE=str(page), VLLM_ENABLE_V1_MULTIPROCESSING="0"
     )
     out = os.path.join(workdir, "qwen3_next_gpu_shapes.json")
-    kv = h.run_driver(model, out, env, *CASES["qwen3-next"][1][2:], "--blocks", "40", "--name", name,
+    kv = h.run_driver(model, out, env, *WORKLOADS["qwen3-next"][2:], "--blocks", "40", "--name", name,
                       script="vllm_family_driver.py")  # fmt: skip
     with open(out + ".log", errors="replace") as f:
         log = f.read()
@@ -192,7 +187,7 @@ def test_a_state_block_larger_than_the_page_stops_start_up_in_one_line(workdir):
     name = f"kvt_family_small_page_{os.getpid()}"
     env = h.engine_env(True, name, KVCACHED_HOST_MEMORY_BUDGET="256M", KVCACHED_PAGE_SIZE=str(64 << 10))
     with pytest.raises(AssertionError):
-        h.run_driver(model, out, env, *CASES["qwen3-next"][1], "--name", name, script="vllm_family_driver.py")
+        h.run_driver(model, out, env, *WORKLOADS["qwen3-next"], "--name", name, script="vllm_family_driver.py")
     with open(out + ".log", errors="replace") as f:
         log = f.read()
     lines = [line for line in log.splitlines() if "does not fit in a page" in line]
