@@ -401,10 +401,10 @@ def refuse_unsupported_model(kv_cache_config: Any) -> None:
 
 
 # Spec kinds served on one device kind but refused on another come from the family table
-# (``families.refused_on``): on the H200 (2026-12-04, docs/GPU.md) a small Qwen3-Next with
-# kvcached gave other greedy tokens than native in 29 of 200 sequences with the very same
-# schedule, where two native runs agreed on all 200; until that is explained, a GPU worker
-# fails closed on Mamba state.
+# (``families.refused_on``): on the H200 (docs/GPU.md) a small Qwen3-Next with kvcached gave
+# other greedy tokens than native in 29, 0 and 19 of 200 sequences in three runs, each with
+# native's schedule, where two native runs agreed on all 200; until that is explained, a GPU
+# worker fails closed on Mamba state.
 def refuse_unproven_on_device(kv_cache_config: Any, device: str) -> None:
     """One line when a KV cache group is of a kind not yet proven on ``device``'s kind
     (``families.refused_on``; Mamba state on a CUDA / ROCm device);
