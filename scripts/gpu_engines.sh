@@ -32,6 +32,8 @@
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back
 #   router       three models behind `kvcached serve`: sleep when idle, wake on request
+#   borrow       a training job (1B-shaped, bf16, AdamW) borrows 40 GiB from a vLLM server between its
+#                bursts (torch_alloc_retry meets a real OOM first) vs a static split of 64 GiB
 # SGLang (0.5.17, its own site directory: PYTHONPATH=/tmp/sc-sglang, scripts/gpu_device_install.sh),
 # `python -m sglang.launch_server` unchanged with its defaults (CUDA graphs, overlap scheduler,
 # radix cache, FA3 on the H200):
@@ -108,7 +110,8 @@ for step in "${steps[@]}"; do
     mla-limit) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --limit 256M \
       --only native-bi,kvcached-limit,native-small --control ;;
     # vLLM 0.26 picks FlashInfer's GDN prefill on SM90, whose CuTe DSL kernel this image lacks:
-    # Triton's. One GDN state block per running sequence: a 256 MiB pool holds 455, so 256 seqs.
+    # Triton's. One GDN state block per running sequence, which CUDA graph capture wants for every
+    # one of max_num_seqs: a 256 MiB pool holds 455 (tiny model), 4 GiB 992 real-shape ones: 256.
     hybrid) run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 --kv 2G \
       --only native,kvcached,native-2,native-dirty --control --engine-args "$gdn" ;;
     hybrid-eager|hybrid-sync)
@@ -118,7 +121,7 @@ for step in "${steps[@]}"; do
     hybrid-real) unset KVCACHED_PAGE_SIZE  # the point: no page-size variable
       run "$step" $proof/correctness.py --model "$hybrid_real" \
       --allow-unsupported --prompts 100 --kv 4G --only native,kvcached,native-2 --control \
-      --mamba-ssm-cache-dtype float32 --engine-args "$gdn" ;;
+      --mamba-ssm-cache-dtype float32 --engine-args "${gdn%\}}, \"max_num_seqs\": 256}" ;;
     hybrid-limit) run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 \
       --kv 2G --limit 256M --only native,kvcached-limit,native-small --control --no-batch-invariant \
       --mamba-ssm-cache-dtype float32 --engine-args "${gdn%\}}, \"max_num_seqs\": 256}" ;;
@@ -130,6 +133,7 @@ for step in "${steps[@]}"; do
         --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 "${variants[@]}" ;;
     three) run "$step" $proof/three_models.py --model "$small" --plot "$OUT/gpu_three_models.png" ;;
     router) run "$step" $proof/router_three.py --model "$small" --plot "$OUT/gpu_router_three.png" ;;
+    borrow) run "$step" $proof/borrow_train.py --model "$small" --plot "$OUT/gpu_borrow_train.png" ;;
     sglang-correctness) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
       --only native,kvcached,native-2 ;;
     sglang-correctness-p16) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
@@ -149,7 +153,7 @@ for step in "${steps[@]}"; do
       --plot "$OUT/gpu_mixed_engines.png" ;;
     router-mixed) PYTHONPATH=$vllm_path run "$step" $proof/router_three.py --model "$small" \
       --models A=vllm:kv,B=sglang:kv "${both[@]}" --plot "$OUT/gpu_router_mixed.png" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-real hybrid-limit overhead three router sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed)" >&2
+    *) echo "unknown step $step (suite model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"
