@@ -20,7 +20,7 @@ import time
 from typing import Optional, Sequence
 
 from kvcached.cli import args as args_mod
-from kvcached.cli.table import device_summaries, percent, printable, problems, render
+from kvcached.cli.table import device_summaries, percent, printable, problems, record_head, render
 from kvcached.limits.records import RecordView, list_records
 from kvcached.limits.units import format_size
 from kvcached.naming import validate_name
@@ -64,22 +64,11 @@ def frame(records: Sequence[RecordView], interval: float, names: Sequence[str] =
         which = f"named {', '.join(map(printable, names))}" if names else "(records in /dev/shm readable by this user)"
         lines.append(f"no kvcached instances {which}")
         return "\n".join(lines)
-    rows = []
-    for r in records:
-        rows.append(
-            [
-                printable(r.name),
-                printable(r.engine) or "-",
-                printable(r.device),
-                str(r.owner_pid),
-                r.state,
-                format_size(r.limit),
-                format_size(r.used),
-                format_size(r.prealloc),
-                format_size(r.granted) if r.granted else "-",
-                bar(r.mapped, r.limit) + " " + percent(r.mapped, r.limit),
-            ]
-        )
+    rows = [
+        record_head(r)
+        + [format_size(r.granted) if r.granted else "-", bar(r.mapped, r.limit) + " " + percent(r.mapped, r.limit)]
+        for r in records
+    ]
     lines.append(
         render(("NAME", "ENGINE", "DEVICE", "PID", "STATE", "LIMIT", "USED", "PREALLOC", "GRANT", "MAPPED/LIMIT"), rows)
     )

@@ -61,7 +61,8 @@ def percent(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.0f}%" if whole > 0 else "-"
 
 
-def record_row(r: RecordView) -> List[str]:
+def record_head(r: RecordView) -> List[str]:
+    """The columns every record table starts with: NAME ENGINE DEVICE PID STATE LIMIT USED PREALLOC."""
     return [
         printable(r.name),
         printable(r.engine) or "-",
@@ -71,6 +72,11 @@ def record_row(r: RecordView) -> List[str]:
         format_size(r.limit),
         format_size(r.used),
         format_size(r.prealloc),
+    ]
+
+
+def record_row(r: RecordView) -> List[str]:
+    return record_head(r) + [
         format_size(r.mapped),
         format_size(r.held),  # budget bytes: a grant beyond what is mapped, or a borrower's (engine "job")
         percent(r.mapped, r.limit),

@@ -53,16 +53,25 @@ def cleanup_dead_instances(prefix: str = "", failed: Optional[Dict[str, str]] = 
             continue
         if st.st_uid != uid or not os.path.isdir(root) or os.path.islink(root):
             continue
-        try:
-            with paths.locked_root(root):
-                paths.remove_stale(root)
-                try:
-                    os.rmdir(root)
-                except OSError:
-                    pass  # someone still listens there
-        except (OSError, InvalidArgumentError):
-            continue
+        _remove_socket_root(root)
     return deleted
+
+
+def _remove_socket_root(root: str) -> bool:
+    """Removes the stale sockets of ``root`` and the folder if then empty, under its lock;
+    False if the lock or the folder could not be had (another user's, or gone)."""
+    from kvcached.ipc import paths
+
+    try:
+        with paths.locked_root(root):
+            paths.remove_stale(root)
+            try:
+                os.rmdir(root)
+            except OSError:
+                pass  # a worker is still listening there (dying)
+    except (OSError, InvalidArgumentError):
+        return False
+    return True
 
 
 def cleanup_instance(base: str, wait_s: float = 10.0) -> None:
@@ -96,14 +105,7 @@ def cleanup_instance(base: str, wait_s: float = 10.0) -> None:
             time.sleep(0.05)
         root = paths.socket_root(name)
         while os.path.isdir(root):
-            try:
-                with paths.locked_root(root):
-                    paths.remove_stale(root)
-                    try:
-                        os.rmdir(root)
-                    except OSError:
-                        pass  # a worker is still listening (dying)
-            except (OSError, InvalidArgumentError):
+            if not _remove_socket_root(root):
                 break
             if not os.path.isdir(root) or time.monotonic() > deadline:
                 break

@@ -48,7 +48,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from kvcached._C import (
     ERROR_KIND_BACKEND,
@@ -319,12 +319,9 @@ class TPCoordinator:
                 self._settle(undo, Cmd.ROLLBACK_MAP, protocol.group_tx_body(self.group_id, tx)) if undo else {}
             )
             what = f"MAP of {len(offsets)} offset(s) failed on {self._describe(bad)}"
-            if unconfirmed or any(r.status == _ERR and r.kind == ERROR_KIND_STATE_CONSISTENCY for _, r in bad):
-                raise self._fail_closed(
-                    f"{what}; rollback not confirmed on {self._describe(unconfirmed.items()) or 'n/a'}", offsets
-                )
-            kind = next((r.kind for _, r in bad if r.status == _ERR), ERROR_KIND_BACKEND)
-            raise protocol.make_error(kind, f"{what}; rolled back on every rank, none of the offsets is mapped")
+            self._raise_undone(
+                what, bad, unconfirmed, offsets, "rollback", "rolled back on every rank, none of the offsets is mapped"
+            )
 
     def unmap(self, offsets: Sequence[int]) -> None:
         """Unmaps ``offsets`` on every rank in two phases, or on none."""
@@ -352,12 +349,28 @@ class TPCoordinator:
             reached = [p for p, r in zip(self._peers, results) if r.status != _UNSENT]
             unconfirmed = self._settle(reached, Cmd.ABORT, txb)
             what = f"UNMAP (PREPARE of transaction {tx}, {len(offsets)} offset(s)) failed on {self._describe(bad)}"
-            if unconfirmed or any(r.status == _ERR and r.kind == ERROR_KIND_STATE_CONSISTENCY for _, r in bad):
-                raise self._fail_closed(
-                    f"{what}; ABORT not confirmed on {self._describe(unconfirmed.items()) or 'n/a'}", offsets
-                )
-            kind = next((r.kind for _, r in bad if r.status == _ERR), ERROR_KIND_BACKEND)
-            raise protocol.make_error(kind, f"{what}; aborted on every rank, every offset is still mapped")
+            self._raise_undone(
+                what, bad, unconfirmed, offsets, "ABORT", "aborted on every rank, every offset is still mapped"
+            )
+
+    def _raise_undone(
+        self,
+        what: str,
+        bad: List[Tuple[Peer, _Result]],
+        unconfirmed: Dict[Peer, str],
+        offsets: List[int],
+        undo: str,
+        outcome: str,
+    ) -> NoReturn:
+        """After a failed MAP / UNMAP and its undo (``undo``: the step that undid it): fail
+        closed where the undo is not confirmed everywhere or a rank's state is unknown;
+        else the first rank's error kind, with ``outcome`` (every rank as before)."""
+        if unconfirmed or any(r.status == _ERR and r.kind == ERROR_KIND_STATE_CONSISTENCY for _, r in bad):
+            raise self._fail_closed(
+                f"{what}; {undo} not confirmed on {self._describe(unconfirmed.items()) or 'n/a'}", offsets
+            )
+        kind = next((r.kind for _, r in bad if r.status == _ERR), ERROR_KIND_BACKEND)
+        raise protocol.make_error(kind, f"{what}; {outcome}")
 
     def _note_already_mapped(self, results: List[_Result]) -> None:
         for p, r in zip(self._peers, results):
