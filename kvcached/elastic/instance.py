@@ -163,7 +163,7 @@ class ElasticInstance:
             p.manager.trim()
             p.clear_want()
         left = self.mapped_bytes()
-        logger.info("kvcached: %s asleep, %d KiB of KV still mapped (pages holding a block)", self.name, left >> 10)
+        logger.debug("kvcached: %s asleep, %d KiB of KV still mapped (pages holding a block)", self.name, left >> 10)
         return left
 
     def wake(self) -> None:

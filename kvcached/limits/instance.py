@@ -543,7 +543,7 @@ class InstanceLimits:
         if asleep and self._reclaim():  # parked pages (counted in use) go too
             with self._lock:
                 self._enforce_locked()
-        logger.info(
+        logger.debug(  # the engine adapter logs the sleep once for the instance
             "kvcached: %s %s (%s mapped, limit %s)",
             self.name,
             "asleep: cap 0 until the wake" if asleep else "awake: cap back to the limit",
