@@ -32,6 +32,11 @@
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back
 #   router       three models behind `kvcached serve`: sleep when idle, wake on request
+#   sleep-engine more copies of the 8B model than the GPU holds behind `kvcached serve` with
+#                `sleep: engine` (vLLM's sleep mode, kvcached gives the KV back) and max_awake
+#                (sleep_engine.py: rotating and Zipf streams, wake p50/p99, TTFT, greedy tokens
+#                after wakes = before); sleep-engine-stop the same with `sleep: stop` (restarts;
+#                fewer models, the wake is a restart either way), printed beside sleep-engine's
 # SGLang (0.5.17, its own site directory: PYTHONPATH=/tmp/sc-sglang, scripts/gpu_device_install.sh),
 # `python -m sglang.launch_server` unchanged with its defaults (CUDA graphs, overlap scheduler,
 # radix cache, FA3 on the H200):
@@ -149,7 +154,10 @@ for step in "${steps[@]}"; do
       --plot "$OUT/gpu_mixed_engines.png" ;;
     router-mixed) PYTHONPATH=$vllm_path run "$step" $proof/router_three.py --model "$small" \
       --models A=vllm:kv,B=sglang:kv "${both[@]}" --plot "$OUT/gpu_router_mixed.png" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-real hybrid-limit overhead three router sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed)" >&2
+    sleep-engine|sleep-engine-stop)
+      if [ "$step" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
+      run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" ;;
+    *) echo "unknown step $step (suite model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-real hybrid-limit overhead three router sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed sleep-engine sleep-engine-stop)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

@@ -180,13 +180,16 @@ class Router:
 
     def _sleep(self, engine: ModelEngine) -> None:
         mode = sleep_mode_for(engine)
-        log.info("%s: idle for %.0f s; sleeping (%s)", engine.name, engine.spec.idle_seconds, mode.name)
+        idle = time.monotonic() - engine.last_activity
+        log.info("%s: idle for %.0f s; sleeping (%s)", engine.name, idle, mode.name)
+        t0 = time.monotonic()
         try:
             mode.sleep(engine)
         except Exception as e:
             log.error("%s: sleep (%s) failed: %s; restarting the engine", engine.name, mode.name, e)
             engine.crashed("failed to sleep")
             return
+        log.info("%s: asleep after %.2f s (%s)", engine.name, time.monotonic() - t0, mode.name)
         self.metrics.slept(engine.name)
         with engine.cond:
             if engine.state != SLEEPING:
@@ -253,7 +256,7 @@ class Router:
             return
         dt = time.monotonic() - t0
         self.metrics.woke(engine.name, dt, ok=True, mode=mode.name)
-        log.info("%s: awake after %.2f s", engine.name, dt)
+        log.info("%s: awake after %.2f s (%s)", engine.name, dt, mode.name)
         with engine.cond:
             if engine.state == WAKING:
                 engine.last_activity = time.monotonic()
