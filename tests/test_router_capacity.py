@@ -78,3 +78,18 @@ def test_a_failed_engine_wake_restarts_the_engine_and_the_request_is_served(runn
     text = request(r.port, "GET", "/metrics")[2].decode()
     assert 'kvcached_router_wake_failures_total{model="a"} 1' in text
     assert r.router.engines["a"].restarts == 1 and r.router.engines["a"].state == READY
+
+
+def test_an_sglang_engine_that_is_not_idle_is_not_put_to_sleep_and_stays_ready(running, monkeypatch, tmp_path):
+    busy = tmp_path / "busy"
+    busy.write_text("")
+    monkeypatch.setenv("STANDIN_BUSY_FILE", str(busy))
+    r = running([{"name": "s", "engine": "sglang", "args": ["--enable-memory-saver"], "idle_seconds": 0.3}])
+    r.ready()
+    e = r.router.engines["s"]
+    wait_for(lambda: "/flush_cache?timeout=30" in _stats(r, "s")["calls"], "an idle check")
+    assert e.state in (READY, "sleeping") and e.restarts == 0
+    assert "/release_memory_occupation" not in _stats(r, "s")["calls"]  # never released while busy
+    busy.unlink()
+    wait_for(lambda: e.state == ASLEEP, "s asleep once idle")
+    assert e.restarts == 0

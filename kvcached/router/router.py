@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 from kvcached.router.config import ConfigError, RouterConfig
 from kvcached.router.logfiles import open_log, prepare_log_dir
 from kvcached.router.metrics import RouterMetrics
-from kvcached.router.sleep import SleepError, sleep_mode_for, wake_mode_for
+from kvcached.router.sleep import NotIdle, SleepError, sleep_mode_for, wake_mode_for
 from kvcached.router.supervisor import ASLEEP, BACKOFF, READY, SLEEPING, STARTING, WAKING, ModelEngine
 
 log = logging.getLogger("kvcached.router")
@@ -185,6 +185,12 @@ class Router:
         t0 = time.monotonic()
         try:
             mode.sleep(engine)
+        except NotIdle as e:
+            log.info("%s: not put to sleep: %s; it stays ready", engine.name, e)
+            with engine.cond:
+                if engine.state == SLEEPING:
+                    engine.set_state(READY)  # idle counts from now: tried again later
+            return
         except Exception as e:
             log.error("%s: sleep (%s) failed: %s; restarting the engine", engine.name, mode.name, e)
             engine.crashed("failed to sleep")

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Optional
+from typing import Optional, Tuple
 
-from kvcached.router.engines import SLEEP_CALLS
+from kvcached.router.engines import IDLE_CALLS, SLEEP_CALLS
 from kvcached.router.supervisor import WAKING, ModelEngine, http_call
 
 log = logging.getLogger("kvcached.router")
@@ -39,6 +39,10 @@ GIVE_BACK_WAIT_S = 2.0  # how long the owner has to acknowledge the limit of 0
 
 class SleepError(RuntimeError):
     """A sleep or wake step failed; the router restarts the engine."""
+
+
+class NotIdle(SleepError):
+    """The engine still had work when it was to sleep; nothing changed, it stays ready."""
 
 
 def give_back_kv(engine: ModelEngine) -> Optional[int]:
@@ -115,24 +119,31 @@ class StopSleep(SleepMode):
 class EngineSleep(SleepMode):
     name = "engine"
 
-    def _call(self, engine: ModelEngine, which: int, timeout: float) -> None:
-        method, path, body = SLEEP_CALLS[engine.spec.engine][which]
+    def _call(self, engine: ModelEngine, call: Tuple[str, str, object], timeout: float) -> int:
+        method, path, body = call
         data = None if body is None else json.dumps(body).encode()
         host, port, sockets = engine.endpoint()
-        status = http_call(host, port, method, path, data, timeout=timeout, sockets=sockets)
+        return http_call(host, port, method, path, data, timeout=timeout, sockets=sockets)
+
+    def _must(self, engine: ModelEngine, which: int, timeout: float) -> None:
+        method, path, body = SLEEP_CALLS[engine.spec.engine][which]
+        status = self._call(engine, (method, path, body), timeout)
         if status != 200:
             raise SleepError(f"{method} {path} answered {status or 'nothing'}")
 
     def sleep(self, engine: ModelEngine) -> None:
+        idle = IDLE_CALLS.get(engine.spec.engine)
+        if idle is not None and self._call(engine, idle, timeout=60) != 200:
+            raise NotIdle(f"{idle[0]} {idle[1]} did not find the engine idle")
         # With kvcached the engine's own sleep gives every KV page back (its patches; the
         # limit stays the operator's): a limit of 0 written from here would only be undone.
-        self._call(engine, 0, timeout=300)
+        self._must(engine, 0, timeout=300)
         mapped = kv_mapped_bytes(engine) if engine.spec.kvcached else None
         if mapped is not None:
             log.info("%s: engine asleep, %d KiB of KV still mapped", engine.name, mapped >> 10)
 
     def wake(self, engine: ModelEngine, timeout: float) -> None:
-        self._call(engine, 1, timeout=timeout)
+        self._must(engine, 1, timeout=timeout)
 
 
 class KVSleep(SleepMode):
