@@ -12,18 +12,18 @@ SGLang's memory saver move the weights to host memory while kvcached gives their
 
 1. warm-up: one greedy batch per model (the held-back models start on it, each evicting
    the least recently used one); these tokens are each model's reference;
-2. rotating stream: ``--rounds`` rounds over the models, ``--burst`` streamed requests per
-   visit (most visits find their model asleep: a wake, after an eviction);
+2. rotating stream: ``--rounds`` rounds over the models (most visits find their model
+   asleep: a wake, after an eviction); a visit sends the reference batch first, whose greedy
+   tokens must equal the reference (CUDA graphs on: vLLM's and SGLang's defaults), then
+   ``--burst`` streamed requests at once;
 3. Zipf stream: Poisson arrivals at ``--rate`` req/s for ``--zipf-seconds``, models drawn
-   with Zipf(``--zipf-s``) popularity;
-4. correctness: every model's reference batch again, each after at least one wake: greedy
-   tokens must equal the reference (CUDA graphs on: vLLM's and SGLang's defaults).
+   with Zipf(``--zipf-s``) popularity.
 
 Reports wake p50/p99 (the router's ``awake after`` lines), the sleeps that made room,
 TTFT p50/p99 of requests that found their model awake vs asleep, and with ``--compare``
-the other mode's run beside this one. Exits 1 when a request failed, a token differed, a
-model was never woken before its check, or the router did not stop cleanly; 2 when the
-machine cannot hold the plan (host memory for the sleeping weights).
+the other mode's run beside this one. Exits 1 when a request failed, a token differed, no
+model was checked after a wake, or the router did not stop cleanly; 2 when the machine
+cannot hold the plan (host memory for the sleeping weights).
 
 ``--dry-run`` writes the router config and prints the plan and checks, starting nothing.
 ``--cpu`` runs the tiny model on the CPU engines with ``sleep: stop`` (neither engine can
@@ -145,7 +145,9 @@ def plan_checks(a: argparse.Namespace, dev: int) -> Tuple[List[str], Optional[st
         lines.append(f"note: the weights fit the device ({format_size(a.models * w)} <= {format_size(dev)})")
     need = (asleep * w if a.sleep == "engine" else 0) + a.models * PROCESS_HOST_BYTES
     have = host_available()
-    lines.append(f"host memory: ~{format_size(need)} needed (sleeping weights + processes), {format_size(have)} available")
+    lines.append(
+        f"host memory: ~{format_size(need)} needed (sleeping weights + processes), {format_size(have)} available"
+    )
     why = None
     if not a.cpu and need > have * 0.95:
         why = (
@@ -284,16 +286,22 @@ def run(a: argparse.Namespace, cfg: Dict) -> Dict:
         for r in range(a.rounds):
             for i, m in enumerate(models):
                 before = watch.latest.get(m, "?")
-                prompts = vs.token_prompts(a.burst, a.prompt_len, seed=100 + r * len(models) + i)
                 t1 = time.monotonic()
+                again = reference(port, m, a.ref_tokens)  # the wake's request: the tokens are checked
+                first_s = time.monotonic() - t1
+                diff = sum(x != y for x, y in zip(again, refs[m]))
+                prompts = vs.token_prompts(a.burst, a.prompt_len, seed=100 + r * len(models) + i)
                 with ThreadPoolExecutor(a.burst) as ex:
                     got = list(ex.map(lambda p, m=m: one(port, m, p, a.gen), prompts))
                 ttfts = [t for t, _ in got if t is not None]
                 rot.append(
-                    {"model": m, "state_before": before, "ttft": summary(ttfts), "failed": sum(not ok for _, ok in got),
-                     "seconds": time.monotonic() - t1}
+                    {"model": m, "state_before": before, "first_batch_s": first_s, "token_diffs": diff,
+                     "ttft": summary(ttfts), "failed": sum(not ok for _, ok in got), "seconds": time.monotonic() - t1}
                 )  # fmt: skip
-                log(f"visit {m} ({before}): TTFT {fmt(rot[-1]['ttft'])}, {rot[-1]['failed']} failed")  # type: ignore[arg-type]
+                log(
+                    f"visit {m} ({before}): reference batch {first_s:.1f} s, {diff} of {REF_PROMPTS} differ; "
+                    f"burst TTFT {fmt(summary(ttfts))}, {rot[-1]['failed']} failed"
+                )
         res["rotating"] = rot
         # 3. Zipf stream
         rng = random.Random(0)
@@ -316,15 +324,6 @@ def run(a: argparse.Namespace, cfg: Dict) -> Dict:
                 k += 1
                 time.sleep(rng.expovariate(a.rate))
         res["zipf"] = zipf
-        # 4. correctness after wakes
-        trans = router.transitions()
-        woken = {m for m, _, mode in trans["wakes"] if mode == a.sleep}
-        diffs: Dict[str, int] = {}
-        for m in models:
-            again = reference(port, m, a.ref_tokens)
-            diffs[m] = sum(x != y for x, y in zip(again, refs[m]))
-        res["token_diffs"] = diffs
-        res["woken_before_check"] = sorted(woken)
         res["transitions"] = router.transitions()
     finally:
         watch.stop()
@@ -348,15 +347,22 @@ def report(res: Dict, other: Optional[Dict]) -> int:
     print(f"warm-up (references; held-back models started): {res['warmup_s']:.0f} s")
     print(f"wakes by {a.sleep}: {fmt(summary(wakes))}")
     print(f"first starts: {fmt(summary(starts))}; sleeps: {fmt(summary(sleeps))}; evictions {len(tr['evictions'])}")
-    print(f"rotating: {len(rot)} visits of {a.burst}, {len(cold)} found their model asleep")
+    print(
+        f"rotating: {len(rot)} visits (reference batch, then {a.burst} at once), {len(cold)} found their model asleep"
+    )
     for r in rot:
-        print(f"  {r['model']:<4} {r['state_before']:<9} TTFT {fmt(r['ttft'])}  failed {r['failed']}")
+        print(
+            f"  {r['model']:<4} {r['state_before']:<9} reference batch {r['first_batch_s']:6.1f} s "
+            f"({r['token_diffs']} differ)  burst TTFT {fmt(r['ttft'])}  failed {r['failed']}"
+        )
     print(f"zipf {a.zipf_seconds:.0f} s at {a.rate}/s: {len(zipf)} requests; TTFT model awake {fmt(summary(z_warm))}")
     print(f"                                   TTFT model asleep {fmt(summary(z_cold))}")
-    bad = {m: d for m, d in res["token_diffs"].items() if d}
-    unwoken = sorted(set(res["token_diffs"]) - set(res["woken_before_check"]))
-    print(f"greedy tokens after wakes vs before: {REF_PROMPTS * len(res['token_diffs'])} sequences, "
-          f"{sum(bad.values())} differ {bad or ''}; never woken by {a.sleep} before the check: {unwoken or 'none'}")  # fmt: skip
+    woken = [r for r in rot if r["state_before"] != "ready"]
+    bad = sum(r["token_diffs"] for r in rot)
+    print(
+        f"greedy tokens vs each model's reference: {REF_PROMPTS * len(rot)} sequences, {bad} differ; "
+        f"{REF_PROMPTS * len(woken)} of them right after a wake ({len({r['model'] for r in woken})} models)"
+    )
     if other is not None:
         o = SimpleNamespace(**other["config"])
         ow = [s for _, s, mode in other["transitions"]["wakes"] if mode == o.sleep]
@@ -364,7 +370,7 @@ def report(res: Dict, other: Optional[Dict]) -> int:
         print(f"compare: wake p50/p99 {a.sleep} {fmt(summary(wakes))} | {o.sleep} {fmt(summary(ow))}")
         print(f"         cold-request TTFT {a.sleep} {fmt(summary(z_cold))} | {o.sleep} {fmt(summary(oz))}")
     print(f"{failed} requests failed; router exit status {res['router_rc']} after SIGTERM")
-    ok = not failed and not bad and res["router_rc"] == 0 and (a.sleep != "engine" or not unwoken)
+    ok = not failed and not bad and res["router_rc"] == 0 and bool(woken)
     return 0 if ok else 1
 
 
@@ -372,21 +378,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--models", type=int, default=None, help="copies behind the router (default: the fewest whose "
-                    "weights exceed the device; --cpu 3)")
-    ap.add_argument("--max-awake", type=int, default=None, help="engines holding weights at once (default: as many as "
-                    "fit beside the KV budget; --cpu 2)")
+    ap.add_argument(
+        "--models",
+        type=int,
+        default=None,
+        help="copies behind the router (default: the fewest whose weights exceed the device; --cpu 3)",
+    )
+    ap.add_argument(
+        "--max-awake",
+        type=int,
+        default=None,
+        help="engines holding weights at once (default: as many as fit beside the KV budget; --cpu 2)",
+    )
     ap.add_argument("--sleep", choices=("engine", "stop"), default=None, help="default engine (--cpu: stop)")
     ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     ap.add_argument("--engine-python", default=sys.executable, help="the interpreter that has the engine")
     ap.add_argument("--engine-path", default=None, help="the engines' PYTHONPATH (default: ours)")
-    ap.add_argument("--kv", default=None, help="shared KV budget, also each engine's virtual KV (default 16G; --cpu 32M)")
-    ap.add_argument("--gpu-utilization", type=float, default=0.2, help="vLLM's start-up check only (KV bytes are explicit)")
+    ap.add_argument(
+        "--kv", default=None, help="shared KV budget, also each engine's virtual KV (default 16G; --cpu 32M)"
+    )
+    ap.add_argument(
+        "--gpu-utilization", type=float, default=0.2, help="vLLM's start-up check only (KV bytes are explicit)"
+    )
     ap.add_argument("--idle", type=float, default=600.0, help="idle_seconds: only max_awake puts models to sleep")
     ap.add_argument("--rounds", type=int, default=1, help="rotating rounds over the models")
-    ap.add_argument("--burst", type=int, default=None, help="requests per visit (default 16; --cpu 2)")
+    ap.add_argument("--burst", type=int, default=None, help="requests per visit (default 8; --cpu 2)")
     ap.add_argument("--rate", type=float, default=None, help="Zipf stream requests per second (default 4; --cpu 0.5)")
-    ap.add_argument("--zipf-seconds", type=float, default=None, help="default 60; --cpu 20")
+    ap.add_argument("--zipf-seconds", type=float, default=None, help="default 45; --cpu 20")
     ap.add_argument("--zipf-s", type=float, default=1.1)
     ap.add_argument("--prompt-len", type=int, default=None, help="default 512; --cpu 32")
     ap.add_argument("--gen", type=int, default=None, help="tokens per request (default 64; --cpu 8)")
@@ -394,21 +412,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--compare", default=None, help="another run's sleep_engine.json to print beside this one")
     ap.add_argument("--dry-run", action="store_true", help="write the config, print the plan and checks, start nothing")
     ap.add_argument("--device-gib", type=float, default=None, help="plan for a device this large (default: probed)")
-    ap.add_argument("--weights-gib", type=float, default=None, help="plan for weights this large (default: the model's)")
+    ap.add_argument(
+        "--weights-gib", type=float, default=None, help="plan for weights this large (default: the model's)"
+    )
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
     cpu = a.cpu
     a.sleep = a.sleep or ("stop" if cpu else "engine")
     if cpu and a.sleep == "engine":
-        raise SystemExit("--cpu: neither engine can sleep on a CPU (vLLM refuses --enable-sleep-mode); use --sleep stop")
+        raise SystemExit(
+            "--cpu: neither engine can sleep on a CPU (vLLM refuses --enable-sleep-mode); use --sleep stop"
+        )
     a.kv = parse_size(a.kv or ("32M" if cpu else "16G"))
     dev = device_bytes(cpu, a.device_gib)
     w = int(a.weights_gib * GIB) if a.weights_gib else weight_bytes(a.model)
     auto_n, auto_k = (3, 2) if cpu else fit(dev, w, a.kv)
     a.models, a.max_awake = a.models or auto_n, a.max_awake or auto_k
-    a.burst = a.burst or (2 if cpu else 16)
+    a.burst = a.burst or (2 if cpu else 8)
     a.rate = a.rate or (0.5 if cpu else 4.0)
-    a.zipf_seconds = a.zipf_seconds if a.zipf_seconds is not None else (20.0 if cpu else 60.0)
+    a.zipf_seconds = a.zipf_seconds if a.zipf_seconds is not None else (20.0 if cpu else 45.0)
     a.prompt_len = a.prompt_len or (32 if cpu else 512)
     a.gen = a.gen or (8 if cpu else 64)
     a.ref_tokens = a.ref_tokens or (8 if cpu else 64)
@@ -435,8 +457,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     res["config"]["kv"] = format_size(a.kv)
     write_json(os.path.join(a.out, "sleep_engine.json"), res)
     other = None
-    if a.compare and os.path.exists(a.compare) and os.path.abspath(a.compare) != os.path.abspath(
-        os.path.join(a.out, "sleep_engine.json")
+    if (
+        a.compare
+        and os.path.exists(a.compare)
+        and os.path.abspath(a.compare) != os.path.abspath(os.path.join(a.out, "sleep_engine.json"))
     ):
         with open(a.compare) as f:
             other = json.load(f)

@@ -424,7 +424,9 @@ PATCHES: Dict[str, List[Item]] = {
         item(
             "SchedulerWeightUpdaterManager.release/resume_memory_occupation keep offload_tags",
             all_of(
-                has_methods(WU, "SchedulerWeightUpdaterManager", ["release_memory_occupation", "resume_memory_occupation"]),
+                has_methods(
+                    WU, "SchedulerWeightUpdaterManager", ["release_memory_occupation", "resume_memory_occupation"]
+                ),
                 sets_attrs(WU, "SchedulerWeightUpdaterManager", ["offload_tags"]),
                 mentions(WU, "SchedulerWeightUpdaterManager.release_memory_occupation", "offload_tags"),
                 mentions(WU, "SchedulerWeightUpdaterManager.resume_memory_occupation", "offload_tags"),
@@ -438,7 +440,10 @@ PATCHES: Dict[str, List[Item]] = {
                 constant("sglang.srt.constants", "GPU_MEMORY_TYPE_KV_CACHE", "kv_cache"),
             ),
         ),
-        item("--enable-memory-saver", fields_declared(SA, "ServerArgs", ["enable_memory_saver"], "sglang.srt.arg_groups.fields")),
+        item(
+            "--enable-memory-saver",
+            fields_declared(SA, "ServerArgs", ["enable_memory_saver"], "sglang.srt.arg_groups.fields"),
+        ),
     ],
 }
 
