@@ -32,11 +32,6 @@
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back
 #   router       three models behind `kvcached serve`: sleep when idle, wake on request
-#   sleep-engine more copies of the 8B model than the GPU holds behind `kvcached serve` with
-#                `sleep: engine` (vLLM's sleep mode, kvcached gives the KV back) and max_awake
-#                (sleep_engine.py: rotating and Zipf streams, wake p50/p99, TTFT, greedy tokens
-#                after wakes = before); sleep-engine-stop the same with `sleep: stop` (restarts;
-#                fewer models, the wake is a restart either way), printed beside sleep-engine's
 # SGLang (0.5.17, its own site directory: PYTHONPATH=/tmp/sc-sglang, scripts/gpu_device_install.sh),
 # `python -m sglang.launch_server` unchanged with its defaults (CUDA graphs, overlap scheduler,
 # radix cache, FA3 on the H200):
@@ -52,6 +47,12 @@
 #   mixed        a vLLM and an SGLang server sharing one KV budget, bursts alternating between
 #                them, vs a static split of the same memory; want -> give-back both ways
 #   router-mixed a vLLM and an SGLang model behind `kvcached serve` (kv sleep, wake on request)
+# More models than the GPU holds (vLLM):
+#   sleep-engine more copies of the 8B model than the GPU holds behind `kvcached serve` with
+#                `sleep: engine` (vLLM's sleep mode, kvcached gives the KV back) and max_awake
+#                (sleep_engine.py: rotating and Zipf streams, wake p50/p99, TTFT, greedy tokens
+#                after wakes = before); sleep-engine-stop the same with `sleep: stop` (restarts;
+#                fewer models, the wake is a restart either way), printed beside sleep-engine's
 # Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
 # Logs and JSON go to a work folder (KVCACHED_PROOF_WORK, default /tmp/kvcached-proof); each
 # step's table to $OUT/<step>.txt and its files to $OUT/<step>.tgz (a device call brings back
