@@ -49,6 +49,12 @@
 #   mixed        a vLLM and an SGLang server sharing one KV budget, bursts alternating between
 #                them, vs a static split of the same memory; want -> give-back both ways
 #   router-mixed a vLLM and an SGLang model behind `kvcached serve` (kv sleep, wake on request)
+# More models than the GPU holds (vLLM):
+#   sleep-engine more copies of the 8B model than the GPU holds behind `kvcached serve` with
+#                `sleep: engine` (vLLM's sleep mode, kvcached gives the KV back) and max_awake
+#                (sleep_engine.py: rotating and Zipf streams, wake p50/p99, TTFT, greedy tokens
+#                after wakes = before); sleep-engine-stop the same with `sleep: stop` (restarts;
+#                fewer models, the wake is a restart either way), printed beside sleep-engine's
 # Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
 # Logs and JSON go to a work folder (KVCACHED_PROOF_WORK, default /tmp/kvcached-proof); each
 # step's table to $OUT/<step>.txt and its files to $OUT/<step>.tgz (a device call brings back
@@ -153,7 +159,10 @@ for step in "${steps[@]}"; do
       --plot "$OUT/gpu_mixed_engines.png" ;;
     router-mixed) PYTHONPATH=$vllm_path run "$step" $proof/router_three.py --model "$small" \
       --models A=vllm:kv,B=sglang:kv "${both[@]}" --plot "$OUT/gpu_router_mixed.png" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed)" >&2
+    sleep-engine|sleep-engine-stop)
+      if [ "$step" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
+      run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" ;;
+    *) echo "unknown step $step (suite model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed sleep-engine sleep-engine-stop)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

@@ -162,6 +162,45 @@ def test_pool_over_a_lowered_limit_and_the_idle_action(host_plane, prefix, monke
     m.shutdown()
 
 
+def test_instance_sleep_leaves_only_the_null_blocks_page_and_wake_maps_on_demand(host_plane, prefix, monkeypatch):
+    """The engine's own sleep: every block freed (the adapter's part), then sleep() releases the
+    retired pages, unmaps the reserve and caps the pool at 0; wake() restores the limit."""
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "64M")
+    m = _manager(own_segment=True, pool_name=prefix + "z")
+    pool = ElasticPool(m)
+    inst = ElasticInstance(pool.name, [pool])
+    ids = m.alloc(12)  # 3 fresh pages + the null block's page
+    inst.fence.launched()  # a step reads them
+    m.free(ids)  # retired: a launched step may still read them
+    assert pool.mapped_pages() == 4
+    left = inst.sleep()  # the engine synchronised: nothing in flight any more
+    assert inst.asleep and left == pool.bytes_per_page and pool.mapped_pages() == 1
+    # Nothing new is mapped while asleep: only the null block's page's own free blocks remain.
+    assert m.available_size() == 3 and m.alloc(4) is None
+    assert inst.sleep() == pool.bytes_per_page  # idempotent
+    inst.wake()
+    assert not inst.asleep
+    again = m.alloc(4)
+    assert again is not None and pool.mapped_pages() == 2
+    m.free(again)
+    inst.close()
+    m.shutdown()
+
+
+def test_a_pool_without_a_record_sleeps_on_its_own_cap(host_plane):
+    m = _manager()
+    pool = ElasticPool(m)
+    inst = ElasticInstance("norecord", [pool])
+    before = int(m.page_allocator.mem_limit())
+    m.free(m.alloc(8))
+    inst.sleep()
+    assert pool.mapped_pages() == 1 and int(m.page_allocator.mem_limit()) == 0
+    inst.wake()
+    assert int(m.page_allocator.mem_limit()) == before and m.alloc(4) is not None
+    inst.close()
+    m.shutdown()
+
+
 def test_want_is_withdrawn_by_a_step_without_shortage(host_plane, prefix, monkeypatch):
     monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "64M")
     m = _manager(own_segment=True, pool_name=prefix + "w")

@@ -164,6 +164,45 @@ def test_budget_gate_shares_one_device_between_instances(host, prefix):
         b.close()
 
 
+def test_asleep_caps_at_zero_and_a_limit_written_meanwhile_applies_at_the_wake(host, prefix):
+    """The engine's own sleep (vLLM sleep mode, SGLang release_memory_occupation): cap 0
+    whatever the limit, the reserve unmapped, unused budget back to the device; a kvctl
+    limit written while asleep is applied at the wake, never before."""
+    budget = DeviceBudget("cpu", 12 * BPP, scope=prefix)
+    pa = host(max_reserved=4, enable_prealloc=False)
+    lim = InstanceLimits.for_page_allocator(
+        pa, engine="t", device="cpu", name=prefix + "z", budget=budget, quantum_bytes=2 * BPP
+    )
+    try:
+        lim.admit_pages(6)
+        ids = pa.alloc_pages(6)
+        pa.free_pages(ids[1:])  # one page keeps a block (the null block's), five go to the reserve
+        assert pa.get_num_mapped_pages() > 1
+        lim.set_asleep(True)
+        assert lim.asleep and lim.cap == 0 and pa.mem_limit() == 0
+        assert pa.get_num_mapped_pages() == 1 == pa.get_num_inuse_pages()  # only the live page
+        assert lim.record().granted == BPP and budget.held_bytes() == BPP  # the rest is the device's
+        assert lim.num_free_pages() == 0 and lim.note_shortage(BPP) is False
+        lim.admit_pages(1)  # no grant grows while asleep: the allocator's cap of 0 answers
+        with pytest.raises(OutOfMemoryError):
+            pa.alloc_page()
+        rev = _C.MemInfoTracker.open(prefix + "z").set_limit(3 * BPP)  # kvctl limit during the sleep
+        wait_applied(lim, rev)
+        assert lim.limit == 3 * BPP and lim.cap == 0 and pa.get_num_mapped_pages() == 1
+        lim.set_asleep(True)  # idempotent
+        lim.set_asleep(False)
+        assert not lim.asleep and 0 < lim.cap <= 3 * BPP
+        lim.admit_pages(2)
+        more = pa.alloc_pages(2)
+        assert pa.get_num_inuse_pages() == 3
+        lim.admit_pages(1)
+        with pytest.raises(OutOfMemoryError):
+            pa.alloc_page()  # the limit written while asleep holds now
+        pa.free_pages(more)
+    finally:
+        lim.close()
+
+
 def test_dead_instances_hold_nothing(host, prefix):
     budget = DeviceBudget("cpu", 4 * BPP, scope=prefix)
     # A live record counts what it holds; the same record of a dead owner counts nothing.

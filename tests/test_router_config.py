@@ -100,8 +100,7 @@ def test_engine_command_and_environment(tmp_path):
         ([{"idle_seconds": 0}], {}, "idle_seconds must be > 0"),
         ([{"sleep": "deep"}], {}, "unknown sleep 'deep'"),
         ([{"sleep": "engine"}], {}, "sleep: engine needs --enable-sleep-mode in 'args'"),
-        ([{"sleep": "engine", "args": ["--enable-sleep-mode"]}], {}, "kvcached refuses at start-up"),
-        ([{"args": ["--enable-memory-saver"], "engine": "sglang"}], {}, "kvcached refuses at start-up"),
+        ([{"sleep": "engine", "engine": "sglang"}], {}, "sleep: engine needs --enable-memory-saver in 'args'"),
         ([{"sleep": "kv", "kvcached": False}], {}, "sleep: kv gives the KV cache back through kvcached"),
         ([{"args": ["--port", "1"]}], {}, "sets --port, which the router sets"),
         ([{"colour": "red"}], {}, "unknown key 'colour'"),
@@ -110,6 +109,8 @@ def test_engine_command_and_environment(tmp_path):
         ([{}], {"port": "x"}, "port: must be a port number"),
         ([{}], {"kvcached": {"gpu_utilization": 2}}, "must be in (0, 1]"),
         ([], {}, "models: must be a non-empty list"),
+        ([{}], {"max_awake": 0}, "max_awake: must be a whole number >= 1"),
+        ([{}], {"max_awake": 1.5}, "max_awake: must be a whole number >= 1"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_fix(tmp_path, models, top, needle):
@@ -120,10 +121,23 @@ def test_bad_config_is_one_line_naming_the_fix(tmp_path, models, top, needle):
     assert needle in msg and "\n" not in msg and msg.startswith("config c.json: ")
 
 
-def test_engine_sleep_without_kvcached_is_accepted(tmp_path):
-    m = parse_config({"models": [_model(tmp_path, args=["--enable-sleep-mode"], kvcached=False)]}).models[0]
-    assert m.sleep_mode() == "engine"
-    assert engine_env(m, {}, base={})["VLLM_SERVER_DEV_MODE"] == "1"  # /sleep is a dev endpoint in vLLM
+@pytest.mark.parametrize("kvcached", [True, False])
+def test_engine_sleep_is_accepted_with_and_without_kvcached(tmp_path, kvcached):
+    cfg = parse_config(
+        {
+            "max_awake": 2,
+            "models": [
+                _model(tmp_path, name="v", args=["--enable-sleep-mode"], kvcached=kvcached),
+                _model(tmp_path, name="s", engine="sglang", args=["--enable-memory-saver"], kvcached=kvcached),
+            ],
+        }
+    )
+    v, s = cfg.models
+    assert cfg.max_awake == 2
+    assert v.sleep_mode() == "engine" and s.sleep_mode() == "engine"  # auto: the engine has the option
+    env = engine_env(v, {}, base={})
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # /sleep is a dev endpoint in vLLM
+    assert env["ENABLE_KVCACHED"] == ("true" if kvcached else "false")
 
 
 def _run(*args):

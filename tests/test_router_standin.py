@@ -12,6 +12,8 @@ Environment: ``STANDIN_START_DELAY`` seconds before it listens;
 ``STANDIN_FAIL_FILE``: while that file exists the process exits 3 at start;
 ``STANDIN_BIND_GATE``: it listens only once that file exists;
 ``STANDIN_GATE``: a stream's second event waits until ``POST /open_gate``;
+``STANDIN_WAKE_FAIL_FILE``: while that file exists the wake endpoints answer 500;
+``STANDIN_BUSY_FILE``: while that file exists ``/flush_cache`` answers 400 (not idle);
 a request whose prompt is ``crash`` kills the process before it answers (after a
 line in ``STANDIN_CRASH_LOG``, when set).
 """
@@ -84,8 +86,13 @@ class _Handler(BaseHTTPRequestHandler):
             _State.sleeping = True
             return self._json(200, {})
         if self.path in ("/wake_up", "/resume_memory_occupation"):
+            if os.path.exists(os.environ.get("STANDIN_WAKE_FAIL_FILE", "/nonexistent")):
+                return self._json(500, {"error": "the weights could not be restored"})  # a failed wake
             _State.sleeping = False
             return self._json(200, {})
+        if self.path.startswith("/flush_cache"):  # SGLang's: 400 while requests remain
+            busy = os.path.exists(os.environ.get("STANDIN_BUSY_FILE", "/nonexistent"))
+            return self._json(400 if busy else 200, {})
         if self.path == "/open_gate":
             _State.gate.set()
             return self._json(200, {})

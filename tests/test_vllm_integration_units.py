@@ -819,7 +819,10 @@ def _vllm_config(**over) -> SimpleNamespace:
 @pytest.mark.parametrize(
     "over, match",
     [
-        ({"model_config__enable_sleep_mode": True}, r"sleep mode \(--enable-sleep-mode / enable_sleep_mode=True\)"),
+        (
+            {"model_config__enable_sleep_mode": True, "model_config__sleep_mode_backend": "criu"},
+            r"sleep mode with the 'cumem' backend only, not 'criu'",
+        ),
         ({"cache_config__kv_offloading_size": 4.0}, r"KV offloading \(--kv-offloading-size with the 'native' backend"),
         # vLLM turns --kv-offloading-size into a connector itself: the offload option is the one named.
         (
@@ -834,6 +837,7 @@ def test_configurations_kvcached_cannot_serve_stop_start_up_in_one_line(over, ma
     from kvcached.integration.vllm.backend import refuse_unsupported
 
     refuse_unsupported(_vllm_config())  # the defaults are served
+    refuse_unsupported(_vllm_config(model_config__enable_sleep_mode=True))  # sleep mode with cumem too
     with pytest.raises(InvalidArgumentError, match=match) as e:
         refuse_unsupported(_vllm_config(**over))
     assert "\n" not in str(e.value)
@@ -844,7 +848,8 @@ def test_bad_configuration_is_refused_while_the_scheduler_is_built_before_any_pa
 
     made = []
     monkeypatch.setattr("kvcached.kv_cache_manager.KVCacheManager", lambda *a, **k: made.append(1))
-    ctx = backend.PoolContext(_vllm_config(model_config__enable_sleep_mode=True), _kv_config(FullAttentionSpec()))
+    bad = _vllm_config(model_config__enable_sleep_mode=True, model_config__sleep_mode_backend="criu")
+    ctx = backend.PoolContext(bad, _kv_config(FullAttentionSpec()))
     with pytest.raises(InvalidArgumentError, match="sleep mode"):
         backend.VllmBackend.create(ctx, 512)
     ctx = backend.PoolContext(_vllm_config(), _kv_config(_spec_class("MambaSpec")(page_size_bytes=1, block_size=1)))

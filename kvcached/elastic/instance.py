@@ -16,6 +16,13 @@ two ways memory moves between instances sharing a device budget:
   cache), then calls ``give_back()``. Engines whose idle loop runs no code
   start ``IdleWatcher``, which wakes every ``peer_check_s`` and at once when a
   peer's want wakes one of this instance's records.
+* **The engine's own sleep.** vLLM's sleep mode and SGLang's
+  ``release_memory_occupation`` drop the KV contents. Once the adapter has
+  freed every block (the prefix cache too) and nothing runs, ``sleep()``
+  releases every emptied page and caps every pool at 0, so nothing is mapped
+  but the null blocks' pages; ``wake()`` gives the pools their limits back and
+  pages are mapped on demand again. What the engine does with its weights is
+  the engine's.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class ElasticInstance:
         # Set by a peer publishing a want (the limits' futex watcher) and by close().
         self.poke = threading.Event()
         self.closed = False
+        self.asleep = False  # between sleep() and wake()
         self._missed_in_step = False
         self._next_peer_check = 0.0
         self._watcher: Optional[IdleWatcher] = None
@@ -134,6 +142,39 @@ class ElasticInstance:
                 p.limits.stats.gave_back(n * p.bytes_per_page)  # the record's give-back counters
         return returned
 
+    # ---- the engine's own sleep -----------------------------------------------------
+
+    def mapped_bytes(self) -> int:
+        return sum(p.mapped_pages() * p.bytes_per_page for p in self.pools)
+
+    def sleep(self) -> int:
+        """The engine sleeps and its KV contents are gone. Call with every block
+        freed but the null blocks and no step in flight (the engine's pause and
+        device synchronisation are the proof). Caps every pool at 0, releases
+        every emptied page, unmaps the reserve and parked pages; returns the
+        bytes still mapped (pages that still hold a block). Idempotent."""
+        if self.closed:
+            return 0
+        self.asleep = True
+        for p in self.pools:
+            p.sleep()  # cap 0 first: the pages released below are unmapped, not kept in the reserve
+        self.fence.idle()
+        for p in self.pools:
+            p.manager.trim()
+            p.clear_want()
+        left = self.mapped_bytes()
+        logger.debug("kvcached: %s asleep, %d KiB of KV still mapped (pages holding a block)", self.name, left >> 10)
+        return left
+
+    def wake(self) -> None:
+        """The engine is awake again: every pool's cap back to its limit (one
+        written while asleep included); pages are mapped on demand. Idempotent."""
+        if self.closed or not self.asleep:
+            return
+        for p in self.pools:
+            p.wake()
+        self.asleep = False
+
     def start_idle_watch(
         self, busy: Callable[[], bool], has_memory: Callable[[], bool], schedule: Callable[[IdleAction], None]
     ) -> IdleWatcher:
@@ -184,7 +225,7 @@ class IdleWatcher(threading.Thread):
             if inst.closed:
                 return
             try:
-                if self.queued or self.busy() or not self.has_memory():
+                if self.queued or inst.asleep or self.busy() or not self.has_memory():
                     # A busy engine gives memory back from its own steps. A poke stays set
                     # (the engine may turn idle soon): look again shortly, without spinning.
                     if inst.poke.is_set():

@@ -21,6 +21,7 @@ class ElasticPool:
         self.name = name or (self.limits.name if self.limits is not None else getattr(manager, "pool_name", ""))
         self.bytes_per_page = int(manager.bytes_per_page)
         self.released_pages = 0  # emptied pages released through this pool (deferred release)
+        self._cap_before_sleep: Optional[int] = None  # a pool without limits: its cap before sleep()
 
     # ---- deferred release (the fence drives these) --------------------------
 
@@ -97,3 +98,23 @@ class ElasticPool:
         self.manager.trim()
         if self.limits is not None:
             self.limits.release_slack(0)
+
+    # ---- the engine's own sleep ----------------------------------------------
+
+    def sleep(self) -> None:
+        """Cap 0 until ``wake`` (the record keeps the operator's limit, see
+        ``InstanceLimits.set_asleep``), then the reserve and parked pages go."""
+        if self.limits is not None:
+            self.limits.set_asleep(True)
+        elif self._cap_before_sleep is None:
+            self._cap_before_sleep = int(self.manager.page_allocator.mem_limit())
+            self.manager.set_mem_limit(0)
+        self.manager.trim()
+
+    def wake(self) -> None:
+        """The cap the pool had before ``sleep`` (the limit as it is now)."""
+        if self.limits is not None:
+            self.limits.set_asleep(False)
+        elif self._cap_before_sleep is not None:
+            cap, self._cap_before_sleep = self._cap_before_sleep, None
+            self.manager.set_mem_limit(cap)

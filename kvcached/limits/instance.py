@@ -11,6 +11,11 @@ watcher wakes at once and applies it:
           mapped pages (the reserve) are unmapped at once; pages holding live
           blocks are unmapped only when the manager frees them (gradual).
 
+While the engine sleeps (``set_asleep(True)``: vLLM's sleep mode, SGLang's
+``release_memory_occupation``) the cap is 0 whatever the limit: nothing new is
+mapped, the reserve goes, unused budget goes back to the device. A limit
+written meanwhile is recorded and takes effect at the wake.
+
 InstanceLimits is the only caller of ``PageAllocator.set_mem_limit`` for the
 allocator it is attached to; the cap it sets is ``min(limit, grant)`` where the
 grant is this instance's share of the device budget (see ``budget.py``).
@@ -141,6 +146,7 @@ class InstanceLimits:
         self._limit = int(limit_bytes)
         self._grant = 0 if budget is not None else -1  # -1: no budget
         self._cap = -1
+        self._asleep = False  # the engine sleeps: cap 0 whatever the limit (set_asleep)
         self._published = 0  # the `granted` bytes last written to the record
         self._pa: Any = None
         self._bpp = 1
@@ -184,6 +190,11 @@ class InstanceLimits:
     def cap(self) -> int:
         """What the PageAllocator may map now: ``min(limit, grant)`` (-1 before attach)."""
         return self._cap
+
+    @property
+    def asleep(self) -> bool:
+        """The engine sleeps (``set_asleep``): the cap is 0 whatever the limit."""
+        return self._asleep
 
     @property
     def applied_revision(self) -> int:
@@ -320,6 +331,8 @@ class InstanceLimits:
         if self._pa is None:
             return
         cap = self._limit if self._grant < 0 else min(self._limit, self._grant)
+        if self._asleep:
+            cap = 0
         if self._grant >= 0 and cap > self._cap:
             self._tracker.set_granted(cap)
             self._published = cap
@@ -351,8 +364,8 @@ class InstanceLimits:
                 peer woken (unused budget and idle caches come back), so a
                 retry later may succeed. Nothing else changed.
         """
-        if self.budget is None or self._pa is None:
-            return  # the allocator enforces the limit itself
+        if self.budget is None or self._pa is None or self._asleep:
+            return  # the allocator enforces the limit itself (a cap of 0 while asleep)
         fresh = int(n_pages) - int(self._pa.get_num_reserved_pages())
         if fresh <= 0:
             return
@@ -395,8 +408,8 @@ class InstanceLimits:
         Each call counts one refused request by the last check's cause
         (kvcached.limits.record_stats), added to the record in batches.
         """
-        if self._pa is None or self._closed:
-            return False
+        if self._pa is None or self._closed or self._asleep:
+            return False  # asleep: the engine asks for nothing (a want would make peers give back)
         now = time.monotonic()
         t, answer = self._shortage_check
         if now - t < _SHORTAGE_CHECK_S:
@@ -455,7 +468,7 @@ class InstanceLimits:
         reservation: ``admit_pages()`` may still miss.
         """
         pa = self._pa
-        if pa is None:
+        if pa is None or self._asleep:
             return 0
         free_now = int(pa.get_num_free_pages())
         if self.budget is None:
@@ -499,6 +512,44 @@ class InstanceLimits:
                 self._enforce_locked()  # unmaps the reserve above the new cap
             if trim_reserve and self._mapped_bytes() > floor:
                 self._pa.trim()  # a reserve within a cap that did not fall
+
+    def set_asleep(self, asleep: bool) -> None:
+        """The engine falls asleep (True) or wakes (False).
+
+        Asleep, the cap is 0 whatever the limit: no page is mapped, the mapped
+        reserve and parked pages are unmapped at once, and budget held beyond
+        the pages still holding blocks goes back to the device (the engine
+        frees its blocks first; a page with a live block is never unmapped).
+        ``kvctl limit`` written meanwhile is applied as usual, but the cap
+        stays 0 until the wake, which restores ``min(limit, grant)``: the grant
+        grows again on demand through ``admit_pages``. Idempotent.
+        """
+        with self._lock:
+            if self._closed or self._asleep == bool(asleep):
+                return
+            self._asleep = bool(asleep)
+            if self.budget is None or self._pa is None:
+                self._enforce_locked()
+            elif self._asleep:
+                # Only pages holding blocks stay (the null block's): the reserve goes.
+                self._grant = int(self._pa.get_num_inuse_pages()) * self._bpp
+                self._enforce_locked()
+            else:
+                with self.budget.lock():  # as at attach: what is mapped plus one quantum, if free
+                    mapped = self._mapped_bytes()
+                    avail = self.budget.headroom(exclude=self.name)
+                    self._grant = max(mapped, min(self._limit, mapped + self._quantum, max(avail, 0)))
+                    self._enforce_locked()
+        if asleep and self._reclaim():  # parked pages (counted in use) go too
+            with self._lock:
+                self._enforce_locked()
+        logger.debug(  # the engine adapter logs the sleep once for the instance
+            "kvcached: %s %s (%s mapped, limit %s)",
+            self.name,
+            "asleep: cap 0 until the wake" if asleep else "awake: cap back to the limit",
+            format_size(self._mapped_bytes() if self._pa is not None else 0),
+            format_size(max(self._limit, 0)),
+        )
 
     def on_free(self) -> None:
         """Cheap hook after frees: gives back slack beyond two quanta, and, after a limit was

@@ -50,6 +50,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 port = m.port or "<free port>"
                 cmd = " ".join(shlex.quote(str(a)) for a in engine_command(m, "127.0.0.1", port))  # type: ignore[arg-type]
                 print(f"{m.name}: sleep={m.sleep_mode()} idle_seconds={m.idle_seconds} instance={m.instance}\n  {cmd}")
+            if config.max_awake is not None:
+                print(
+                    f"max_awake={config.max_awake}: the first {config.max_awake} start; the rest on their first request"
+                )
             return 0
         logging.basicConfig(
             level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

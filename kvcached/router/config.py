@@ -4,6 +4,7 @@ A YAML (needs PyYAML) or JSON file::
 
     port: 8080                      # the router's one endpoint
     wake_timeout_s: 300             # how long a request for a sleeping model may wait
+    max_awake: 3                    # at most this many engines hold their weights at once (absent: all)
     kvcached:                       # shared by every engine the router starts
       gpu_utilization: 0.9          # -> KVCACHED_GPU_UTILIZATION
       host_memory_budget: 8G        # -> KVCACHED_HOST_MEMORY_BUDGET (CPU backend)
@@ -35,6 +36,7 @@ SLEEP_MODES = ("auto", "engine", "stop", "kv")
 ENGINE_SLEEP_FLAG = {"vllm": "--enable-sleep-mode", "sglang": "--enable-memory-saver"}
 
 _TOP_KEYS = {
+    "max_awake",
     "host",
     "port",
     "models",
@@ -99,6 +101,7 @@ class RouterConfig:
     stop_timeout_s: float = 30.0
     log_dir: str = "."
     kvcached_env: Mapping[str, str] = field(default_factory=dict)
+    max_awake: Optional[int] = None  # engines holding their weights at once (None: no bound)
     source: str = "<config>"
 
     def model(self, name: str) -> Optional[ModelSpec]:
@@ -170,6 +173,9 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Optional[str] = 
     if "host_memory_budget" in kv:
         kv_env["KVCACHED_HOST_MEMORY_BUDGET"] = str(kv["host_memory_budget"])
     log_dir = str(data.get("log_dir", "."))
+    max_awake = data.get("max_awake")
+    if max_awake is not None and (isinstance(max_awake, bool) or not isinstance(max_awake, int) or max_awake < 1):
+        raise fail("max_awake", f"must be a whole number >= 1 (leave it out for no bound), got {max_awake!r}")
     return RouterConfig(
         models=tuple(models),
         host=str(data.get("host", "127.0.0.1")),
@@ -183,6 +189,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Optional[str] = 
         stop_timeout_s=_positive(data, "stop_timeout_s", 30.0, fail),
         log_dir=log_dir if os.path.isabs(log_dir) else os.path.join(base_dir, log_dir),
         kvcached_env=kv_env,
+        max_awake=max_awake,
         source=source,
     )
 
@@ -249,12 +256,6 @@ def _parse_model(raw: Any, where: str, base_dir: str, fail) -> ModelSpec:
     flag = ENGINE_SLEEP_FLAG[engine]
     if mode == "engine" and flag not in args:
         raise fail(where, f"sleep: engine needs {flag} in 'args' (the {engine} engine sleeps only with it)")
-    if mode == "engine" and kvcached:
-        raise fail(
-            where,
-            f"sleep: engine needs {flag}, which kvcached refuses at start-up today (docs/ROUTER.md); "
-            "use sleep: stop or kv, or kvcached: false",
-        )
     if mode == "kv" and not kvcached:
         raise fail(where, "sleep: kv gives the KV cache back through kvcached; it needs kvcached: true")
     return spec

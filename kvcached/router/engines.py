@@ -19,6 +19,10 @@ SLEEP_CALLS: Dict[str, Tuple[Tuple[str, str, object], Tuple[str, str, object]]] 
     "vllm": (("POST", "/sleep?level=1", None), ("POST", "/wake_up", None)),
     "sglang": (("POST", "/release_memory_occupation", {}), ("POST", "/resume_memory_occupation", {})),
 }
+# Called before the sleep call, by engine: it must answer 200 (the engine is idle). SGLang's release
+# asserts an idle scheduler (a failed assertion there ends the scheduler); its flush waits for
+# idle up to the timeout, answers 400 when requests remain, and drops only what the release drops.
+IDLE_CALLS: Dict[str, Tuple[str, str, object]] = {"sglang": ("POST", "/flush_cache?timeout=30", None)}
 
 
 def engine_command(spec: ModelSpec, host: str, port: int) -> List[str]:

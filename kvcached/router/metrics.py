@@ -2,8 +2,9 @@
 Prometheus text format (version 0.0.4), without a client library.
 
 Router series (label ``model``): requests by status code, requests waiting
-for an engine (queue) and in flight, the engine's state, sleeps, wakes, wake
-latency (histogram), restarts. kvcached series (labels ``name``, the record's
+for an engine (queue) and in flight, the engine's state, sleeps (and those
+``max_awake`` forced), wakes, wake latency (histogram, and the last wake's
+seconds with the way it woke: ``engine``, ``stop``, ``kv``), restarts. kvcached series (labels ``name``, the record's
 name as the exporter labels it, and, for the router's engines, ``model``):
 limit, used, preallocated, mapped and virtual bytes of every valid record in
 /dev/shm, as ``kvctl list`` shows them. (Not ``instance``: Prometheus sets that
@@ -40,6 +41,8 @@ class RouterMetrics:
         self.wake_failures: Dict[str, int] = defaultdict(int)
         self.wake_hist: Dict[str, List[int]] = {}
         self.wake_sum: Dict[str, float] = defaultdict(float)
+        self.last_wake: Dict[str, Tuple[str, float]] = {}  # model -> (how it woke, seconds)
+        self.evictions: Dict[str, int] = defaultdict(int)
 
     def request(self, model: str, status: int) -> None:
         with self._lock:
@@ -49,12 +52,18 @@ class RouterMetrics:
         with self._lock:
             self.sleeps[model] += 1
 
-    def woke(self, model: str, seconds: float, ok: bool) -> None:
+    def evicted(self, model: str) -> None:
+        """``max_awake`` put ``model`` to sleep to make room for another."""
+        with self._lock:
+            self.evictions[model] += 1
+
+    def woke(self, model: str, seconds: float, ok: bool, mode: str = "") -> None:
         with self._lock:
             if not ok:
                 self.wake_failures[model] += 1
                 return
             self.wakes[model] += 1
+            self.last_wake[model] = (mode, seconds)
             self.wake_sum[model] += seconds
             h = self.wake_hist.setdefault(model, [0] * len(WAKE_BUCKETS))
             for i, b in enumerate(WAKE_BUCKETS):
@@ -88,6 +97,22 @@ class RouterMetrics:
                 "counter",
                 "times a sleeping model was woken",
                 [(_labels(model=e.name), self.wakes[e.name]) for e in engines],
+            )
+            family(
+                "kvcached_router_evictions_total",
+                "counter",
+                "times max_awake put a model to sleep to make room for another",
+                [(_labels(model=e.name), self.evictions[e.name]) for e in engines],
+            )
+            family(
+                "kvcached_router_last_wake_seconds",
+                "gauge",
+                "seconds the model's last wake took, by how it woke (engine, stop, kv)",
+                [
+                    (_labels(model=e.name, sleep=self.last_wake[e.name][0]), self.last_wake[e.name][1])
+                    for e in engines
+                    if e.name in self.last_wake
+                ],
             )
             family(
                 "kvcached_router_wake_failures_total",

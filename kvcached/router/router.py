@@ -5,6 +5,15 @@ A request calls ``acquire(model)``: it waits, bounded by ``wake_timeout_s``,
 until the engine serves (waking it if asleep), then ``release``. A model whose
 engine has had no request in flight for ``idle_seconds`` is put to sleep, but
 never while a request is in flight or waiting.
+
+``max_awake`` (more models than the device holds): at most that many engines
+hold their weights at once (starting, ready, waking, going to sleep, restarting,
+or asleep with ``sleep: kv``). The router starts that many and leaves the rest
+asleep without a process; a wake that would exceed the bound waits while the
+monitor puts the least recently used idle model to sleep (one with
+``idle_seconds`` and a sleep that frees its weights: ``engine`` or ``stop``),
+then proceeds. Slots are counted under one lock taken inside an engine's
+condition, never the other way round.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from typing import Dict, List, Optional
 from kvcached.router.config import ConfigError, RouterConfig
 from kvcached.router.logfiles import open_log, prepare_log_dir
 from kvcached.router.metrics import RouterMetrics
-from kvcached.router.sleep import SleepError, sleep_mode_for
+from kvcached.router.sleep import NotIdle, SleepError, sleep_mode_for, wake_mode_for
 from kvcached.router.supervisor import ASLEEP, BACKOFF, READY, SLEEPING, STARTING, WAKING, ModelEngine
 
 log = logging.getLogger("kvcached.router")
@@ -36,6 +45,30 @@ def idle_due(engine: ModelEngine, now: float) -> bool:
         and engine.inflight == 0
         and engine.waiting == 0
         and now - engine.last_activity >= idle
+    )
+
+
+# States in which an engine holds its weights on the device (see holds_weights).
+_HOLDING = (STARTING, READY, SLEEPING, WAKING, BACKOFF)
+
+
+def holds_weights(engine: ModelEngine) -> bool:
+    """Whether the engine counts against ``max_awake``: any state but asleep or stopped,
+    and asleep with ``sleep: kv`` (its weights stay resident) while its process lives."""
+    if engine.state in _HOLDING:
+        return True
+    return engine.state == ASLEEP and engine.proc is not None and engine.spec.sleep_mode() == "kv"
+
+
+def evictable(engine: ModelEngine) -> bool:
+    """A model ``max_awake`` may put to sleep early: ready, nothing in flight or waiting,
+    allowed to sleep (``idle_seconds``), and its sleep frees its weights."""
+    return (
+        engine.state == READY
+        and engine.inflight == 0
+        and engine.waiting == 0
+        and engine.spec.idle_seconds is not None
+        and engine.spec.sleep_mode() != "kv"
     )
 
 
@@ -74,6 +107,8 @@ class Router:
             e.poke = self._poke.set
         self._monitor: Optional[threading.Thread] = None
         self._transitions: List[threading.Thread] = []
+        self.max_awake = config.max_awake
+        self._slots = threading.Lock()  # taken inside an engine's cond (never the reverse)
 
     # -- life cycle --------------------------------------------------------
     def start(self) -> None:
@@ -84,8 +119,12 @@ class Router:
         prepare_log_dir(self.config.log_dir)
         for e in self.engines.values():
             os.close(open_log(e.log_path))  # a planted link stops the start here, in one line
-        for e in self.engines.values():
-            e.spawn()
+        for i, e in enumerate(self.engines.values()):
+            if self.max_awake is None or i < self.max_awake:
+                e.spawn()
+            else:  # held back: started by the first request for it (wake_mode_for)
+                e.set_state(ASLEEP)
+                log.info("%s: not started yet (max_awake %d); a request for it starts it", e.name, self.max_awake)
         self._monitor = threading.Thread(target=self._monitor_loop, name="router-monitor", daemon=True)
         self._monitor.start()
 
@@ -118,6 +157,7 @@ class Router:
                         e.set_state(SLEEPING)
                 if due:
                     self._transition(e, self._sleep)
+            self._make_room()
             self._poke.wait(self._next_wait())
             self._poke.clear()
 
@@ -140,13 +180,22 @@ class Router:
 
     def _sleep(self, engine: ModelEngine) -> None:
         mode = sleep_mode_for(engine)
-        log.info("%s: idle for %.0f s; sleeping (%s)", engine.name, engine.spec.idle_seconds, mode.name)
+        idle = time.monotonic() - engine.last_activity
+        log.info("%s: idle for %.0f s; sleeping (%s)", engine.name, idle, mode.name)
+        t0 = time.monotonic()
         try:
             mode.sleep(engine)
+        except NotIdle as e:
+            log.info("%s: not put to sleep: %s; it stays ready", engine.name, e)
+            with engine.cond:
+                if engine.state == SLEEPING:
+                    engine.set_state(READY)  # idle counts from now: tried again later
+            return
         except Exception as e:
             log.error("%s: sleep (%s) failed: %s; restarting the engine", engine.name, mode.name, e)
             engine.crashed("failed to sleep")
             return
+        log.info("%s: asleep after %.2f s (%s)", engine.name, time.monotonic() - t0, mode.name)
         self.metrics.slept(engine.name)
         with engine.cond:
             if engine.state != SLEEPING:
@@ -154,14 +203,54 @@ class Router:
             engine.set_state(ASLEEP)
             if engine.waiting:  # a request came while it fell asleep
                 self._begin_wake(engine)
+        self._slot_freed()
 
     def _begin_wake(self, engine: ModelEngine) -> None:
-        """Under ``engine.cond``, the engine asleep: starts waking it."""
-        engine.set_state(WAKING)
+        """Under ``engine.cond``, the engine asleep: starts waking it, unless ``max_awake``
+        engines hold their weights (then the monitor makes room and the waiting request
+        calls this again)."""
+        with self._slots:
+            if self.max_awake is not None and not holds_weights(engine):
+                holding = sum(1 for e in self.engines.values() if holds_weights(e))
+                if holding >= self.max_awake:
+                    self._poke.set()  # the monitor puts the least recently used idle model to sleep
+                    return
+            engine.set_state(WAKING)
         self._transition(engine, self._wake)
 
+    def _make_room(self) -> None:
+        """The monitor's part of ``max_awake``: for each asleep model with requests waiting
+        beyond the free slots and the sleeps already under way, puts the least recently
+        used evictable model to sleep."""
+        if self.max_awake is None:
+            return
+        engines = list(self.engines.values())
+        wanting = sum(1 for e in engines if e.state == ASLEEP and e.waiting > 0 and not holds_weights(e))
+        free = self.max_awake - sum(1 for e in engines if holds_weights(e))
+        short = wanting - max(free, 0) - sum(1 for e in engines if e.state == SLEEPING)
+        for victim in sorted((e for e in engines if evictable(e)), key=lambda e: e.last_activity):
+            if short <= 0:
+                return
+            with victim.cond:
+                if not evictable(victim):
+                    continue
+                victim.set_state(SLEEPING)
+            log.info("%s: put to sleep to make room for a waiting model (max_awake %d)", victim.name, self.max_awake)
+            self.metrics.evicted(victim.name)
+            self._transition(victim, self._sleep)
+            short -= 1
+
+    def _slot_freed(self) -> None:
+        """An engine stopped holding its weights: requests waiting for asleep models try again."""
+        if self.max_awake is None:
+            return
+        for e in self.engines.values():
+            with e.cond:
+                if e.state == ASLEEP and e.waiting:
+                    e.cond.notify_all()
+
     def _wake(self, engine: ModelEngine) -> None:
-        mode = sleep_mode_for(engine)
+        mode = wake_mode_for(engine)
         t0 = time.monotonic()
         log.info("%s: waking (%s)", engine.name, mode.name)
         try:
@@ -172,8 +261,8 @@ class Router:
             engine.crashed("failed to wake")
             return
         dt = time.monotonic() - t0
-        self.metrics.woke(engine.name, dt, ok=True)
-        log.info("%s: awake after %.2f s", engine.name, dt)
+        self.metrics.woke(engine.name, dt, ok=True, mode=mode.name)
+        log.info("%s: awake after %.2f s (%s)", engine.name, dt, mode.name)
         with engine.cond:
             if engine.state == WAKING:
                 engine.last_activity = time.monotonic()

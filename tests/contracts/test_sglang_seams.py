@@ -84,6 +84,7 @@ POLICY = "sglang.srt.managers.schedule_policy"
 BATCH = "sglang.srt.managers.schedule_batch"
 SCHED = "sglang.srt.managers.scheduler"
 BUDGET = "sglang.srt.mem_cache.prefill_budget"
+WU = "sglang.srt.managers.scheduler_components.weight_updater"
 
 FROM_0519 = VersionRange.parse(">=0.5.19,<0.6")
 FROM_0521 = VersionRange.parse(">=0.5.21,<0.6")
@@ -105,7 +106,7 @@ def _conflict_fields() -> Check:
     return fields_declared(
         SA,
         "ServerArgs",
-        ["enable_memory_saver", "speculative_algorithm", "disaggregation_mode", "enable_hierarchical_cache"],
+        ["speculative_algorithm", "disaggregation_mode", "enable_hierarchical_cache"],
         "sglang.srt.arg_groups.fields",
     )
 
@@ -418,6 +419,31 @@ PATCHES: Dict[str, List[Item]] = {
             ),
         ),
         item("kvcached_report runs through collective_rpc", calls_in(SCHED, "Scheduler.handle_rpc_request", "getattr")),
+    ],
+    "sglang-memory-saver": [
+        item(
+            "SchedulerWeightUpdaterManager.release/resume_memory_occupation keep offload_tags",
+            all_of(
+                has_methods(
+                    WU, "SchedulerWeightUpdaterManager", ["release_memory_occupation", "resume_memory_occupation"]
+                ),
+                sets_attrs(WU, "SchedulerWeightUpdaterManager", ["offload_tags"]),
+                mentions(WU, "SchedulerWeightUpdaterManager.release_memory_occupation", "offload_tags"),
+                mentions(WU, "SchedulerWeightUpdaterManager.resume_memory_occupation", "offload_tags"),
+            ),
+        ),
+        item(
+            "releasing kv_cache flushes the cache (every block freed) and synchronises the device",
+            all_of(
+                calls_in(WU, "SchedulerWeightUpdaterManager.release_memory_occupation", ".flush_cache"),
+                calls_in(WU, "SchedulerWeightUpdaterManager.release_memory_occupation", ".synchronize"),
+                constant("sglang.srt.constants", "GPU_MEMORY_TYPE_KV_CACHE", "kv_cache"),
+            ),
+        ),
+        item(
+            "--enable-memory-saver",
+            fields_declared(SA, "ServerArgs", ["enable_memory_saver"], "sglang.srt.arg_groups.fields"),
+        ),
     ],
 }
 

@@ -81,6 +81,7 @@ KVM = "vllm.v1.core.kv_cache_manager"
 STM = "vllm.v1.core.single_type_kv_cache_manager"
 SCHED = "vllm.v1.core.sched.scheduler"
 CORE = "vllm.v1.engine.core"
+EXEC = "vllm.v1.executor.abstract"
 KVI = "vllm.v1.kv_cache_interface"
 WUTILS = "vllm.v1.worker.utils"
 CPUW = "vllm.v1.worker.cpu_worker"
@@ -231,8 +232,8 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
                     ],
                 ),
                 sets_attrs("vllm.config.device", "DeviceConfig", ["device"]),
-                # backend.refuse_unsupported: sleep mode and KV offloading stop start-up
-                sets_attrs("vllm.config.model", "ModelConfig", ["enable_sleep_mode"]),
+                # backend.refuse_unsupported: sleep mode backends other than cumem, KV offloading
+                sets_attrs("vllm.config.model", "ModelConfig", ["enable_sleep_mode", "sleep_mode_backend"]),
                 sets_attrs("vllm.config.cache", "CacheConfig", ["kv_offloading_size", "kv_offloading_backend"]),
             ),
         ),
@@ -281,6 +282,44 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
         ("idle callbacks get the core", calls_in(CORE, "EngineCoreProc._notify_idle_state_callbacks", "callback")),
         ("EngineCoreRequestType.WAKEUP", class_member("vllm.v1.engine", "EngineCoreRequestType", "WAKEUP")),
         ("Scheduler.has_requests", has_methods(SCHED, "Scheduler", ["has_requests"])),
+    ],
+    "engine_core_sleep_kv": [
+        (
+            "EngineCore.__init__ sets scheduler and model_executor (the executor bound to the pool)",
+            sets_attrs(CORE, "EngineCore", ["scheduler", "model_executor"]),
+        ),
+        ("EngineCore.sleep calls model_executor.sleep(level)", calls_in(CORE, "EngineCore.sleep", ".sleep")),
+        ("EngineCore.wake_up calls model_executor.wake_up(tags)", calls_in(CORE, "EngineCore.wake_up", ".wake_up")),
+        (
+            "EngineCore.sleep pauses the scheduler first (its abort/wait/keep frees the blocks)",
+            calls_in(CORE, "EngineCore.sleep", ".pause_scheduler"),
+        ),
+        (
+            "Executor.sleep / wake_up keep sleeping_tags (what sleep_mode follows)",
+            all_of(
+                has_methods(EXEC, "Executor", ["sleep", "wake_up"]),
+                sets_attrs(EXEC, "Executor", ["sleeping_tags"]),
+                mentions(EXEC, "Executor.wake_up", "sleeping_tags"),
+            ),
+        ),
+        (
+            "the worker's sleep synchronises the device before it returns (no step reads a page after)",
+            calls_in(GPUW, "Worker.sleep", ".synchronize"),
+        ),
+        (
+            "ModelConfig.enable_sleep_mode / sleep_mode_backend",
+            sets_attrs("vllm.config.model", "ModelConfig", ["enable_sleep_mode", "sleep_mode_backend"]),
+        ),
+    ],
+    "engine_core_kv_discard": [
+        (
+            "EngineCore.release_kv_cache_memory calls model_executor.discard",
+            calls_in(CORE, "EngineCore.release_kv_cache_memory", ".discard"),
+        ),
+        (
+            "Executor.discard marks sleeping_tags",
+            all_of(has_methods(EXEC, "Executor", ["discard"]), mentions(EXEC, "Executor.discard", "sleeping_tags")),
+        ),
     ],
     "allocate_slots_rollback": [
         (

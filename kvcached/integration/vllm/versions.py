@@ -66,6 +66,7 @@ _LAYOUT = "kvcached.integration.vllm.kv_layout"
 _WKV = "kvcached.integration.vllm.worker_kv"
 _CAP = "kvcached.integration.vllm.worker_capacity"
 _CONFIG = "kvcached.integration.vllm.config_patches"
+_SLEEP = "kvcached.integration.vllm.sleep_mode"
 
 
 def _set(module: str, owner: str, attr: str, value: str, wrap: Callable[[object], object] = lambda f: f):
@@ -88,6 +89,11 @@ _SPECS: List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]] = [
      "hand the KV config to the pool, fence physical release by finished steps, close at shutdown"),
     ("engine_core_idle_return", "vllm.v1.engine.core", None, _call(_SCHED, "patch_engine_core_module"),
      "an idle engine gives cached pages back to a short peer or a lowered limit (idle callbacks)"),
+    ("engine_core_sleep_kv", "vllm.v1.engine.core", None, _call(_SLEEP, "patch_engine_core_sleep"),
+     "sleep mode: the KV cache kvcached backs is given back while vLLM's kv_cache sleeps (weights: vLLM's pool)"),
+    ("engine_core_kv_discard", "vllm.v1.engine.core", ("kv_discard", True),
+     _call(_SLEEP, "use_executor_discard"),
+     "0.31+: release_kv_cache_memory discards the KV cache alone (Executor.discard): give its pages back too"),
     ("allocate_slots_rollback", "vllm.v1.core.kv_cache_manager", None, _call(_SCHED, "patch_kv_cache_manager_module"),
      "a physical shortage found while allocating becomes None (preemption), after an exact rollback"),
     ("block_owner_none_0_29", "vllm.v1.core.block_pool", ("block_owner", "none"), _call(_POOL, "use_unowned_blocks"),

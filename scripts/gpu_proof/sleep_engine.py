@@ -1,0 +1,471 @@
+"""More models than the GPU holds: ``kvcached serve`` with ``sleep: engine`` and ``max_awake``.
+
+    python scripts/gpu_proof/sleep_engine.py --model DIR --out DIR [--models N] [--max-awake K]
+        [--sleep engine|stop] [--engine vllm|sglang] [--kv 16G] [--compare OTHER.json] [--dry-run] [--cpu]
+
+N copies of one model (in ``scripts/gpu_engines.sh`` the 8B shape of its ``model`` step: 15 GiB
+of bf16 weights; by default N is the fewest copies whose weights exceed the device: 10 on an
+H200) behind one router; at most ``--max-awake`` hold their weights (by default as many as
+fit beside the KV budget: 5 on an H200), the others sleep (``sleep: engine``: vLLM's sleep mode /
+SGLang's memory saver move the weights to host memory while kvcached gives their KV back;
+``sleep: stop``: the engine is stopped, the comparison). Phases:
+
+1. warm-up: one greedy batch per model (the held-back models start on it, each evicting
+   the least recently used one); these tokens are each model's reference;
+2. rotating stream: ``--rounds`` rounds over the models (most visits find their model
+   asleep: a wake, after an eviction); a visit sends the reference batch first, whose greedy
+   tokens must equal the reference (CUDA graphs on: vLLM's and SGLang's defaults), then
+   ``--burst`` streamed requests at once;
+3. Zipf stream: Poisson arrivals at ``--rate`` req/s for ``--zipf-seconds``, models drawn
+   with Zipf(``--zipf-s``) popularity.
+
+Reports wake p50/p99 (the router's ``awake after`` lines), the sleeps that made room,
+TTFT p50/p99 of requests that found their model awake vs asleep, and with ``--compare``
+the other mode's run beside this one. Exits 1 when a request failed, a token differed, no
+model was checked after a wake, or the router did not stop cleanly; 2 when the machine
+cannot hold the plan (host memory for the sleeping weights).
+
+``--dry-run`` writes the router config and prints the plan and checks, starting nothing.
+``--cpu`` runs the tiny model on the CPU engines with ``sleep: stop`` (neither engine can
+sleep on a CPU): everything but the engine's own sleep, before device time is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import GIB, base_args, log, percentile, sglang_args, sglang_pythonpath, write_json  # noqa: E402
+
+from kvcached.limits.units import format_size, parse_size  # noqa: E402
+from kvcached.router.supervisor import free_port  # noqa: E402
+from kvcached.testing import vllm_server as vs  # noqa: E402
+
+SLEEP_FLAG = {"vllm": "--enable-sleep-mode", "sglang": "--enable-memory-saver"}
+PROCESS_HOST_BYTES = 3 * GIB  # what one engine process holds in host memory besides offloaded weights
+REF_PROMPTS = 8
+
+
+def weight_bytes(model: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(model, f))
+        for f in os.listdir(model)
+        if f.endswith((".safetensors", ".bin", ".pt"))
+    )
+
+
+def host_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def device_bytes(cpu: bool, gib: Optional[float] = None) -> int:
+    if gib:
+        return int(gib * GIB)
+    if cpu:
+        return host_available()
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def fit(dev: int, w: int, kv: int) -> Tuple[int, int]:
+    """(models, max_awake) for a device of ``dev`` bytes and weights of ``w``: the fewest
+    models whose weights exceed the device, and as many awake as fit beside the KV budget
+    (each awake engine: its weights, ~10% more for graphs and activations, 2.5 GiB of
+    context and workspace; the sleeping ones keep their context)."""
+    models = dev // w + 1
+    awake = int((dev * 0.92 - kv) // (w * 1.1 + 2.5 * GIB))
+    return models, max(1, min(awake, models - 2))
+
+
+def names(n: int) -> List[str]:
+    return [f"m{i}" for i in range(n)]
+
+
+def config(a: argparse.Namespace, port: int, dev: int) -> Dict:
+    model = os.path.abspath(a.model)
+    budget = {"host_memory_budget": str(a.kv)} if a.cpu else {"gpu_utilization": round(a.kv / dev, 6)}
+    models = []
+    for m in names(a.models):
+        if a.engine == "vllm":
+            args = [*base_args(a.cpu, 512 if a.cpu else 2048), "--kv-cache-memory-bytes", str(a.kv)]
+            if not a.cpu:
+                # Explicit KV bytes: vLLM reads the utilization only in its start-up check of free memory.
+                args += ["--gpu-memory-utilization", str(a.gpu_utilization), "--max-num-seqs", "64"]
+            path = a.engine_path or os.environ.get("PYTHONPATH", "")
+        else:
+            args = sglang_args(model, a.cpu, a.kv, 512 if a.cpu else 2048)
+            path = sglang_pythonpath(a.cpu, a.engine_path)
+        if a.sleep == "engine":
+            args.append(SLEEP_FLAG[a.engine])
+        env = {"PYTHONPATH": path} if path else {}
+        entry = {"name": m, "engine": a.engine, "model": model, "args": args, "env": env}
+        entry.update(idle_seconds=a.idle, sleep=a.sleep, python=a.engine_python)
+        models.append(entry)
+    return {
+        "host": "127.0.0.1",
+        "port": port,
+        "max_awake": a.max_awake,
+        "wake_timeout_s": 900,
+        "start_timeout_s": 900,
+        "health_interval_s": 1,
+        "log_dir": os.path.abspath(a.out),
+        "kvcached": budget,
+        "models": models,
+    }
+
+
+def plan_checks(a: argparse.Namespace, dev: int) -> Tuple[List[str], Optional[str]]:
+    """Lines describing the plan, and why the machine cannot hold it (None when it can)."""
+    w = int(a.weights_gib * GIB) if a.weights_gib else weight_bytes(a.model)
+    asleep = a.models - a.max_awake
+    lines = [
+        f"{a.models} {a.engine} models of {format_size(w)} weights each ({format_size(a.models * w)} in all) on a "
+        f"{format_size(dev)} {'host' if a.cpu else 'GPU'}; at most {a.max_awake} awake ({format_size(a.max_awake * w)} "
+        f"of weights) beside a shared KV budget of {format_size(a.kv)}; sleep: {a.sleep}",
+    ]
+    if a.models * w <= dev:
+        lines.append(f"note: the weights fit the device ({format_size(a.models * w)} <= {format_size(dev)})")
+    need = (asleep * w if a.sleep == "engine" else 0) + a.models * PROCESS_HOST_BYTES
+    have = host_available()
+    lines.append(
+        f"host memory: ~{format_size(need)} needed (sleeping weights + processes), {format_size(have)} available"
+    )
+    why = None
+    if not a.cpu and need > have * 0.95:
+        why = (
+            f"the host cannot hold {asleep} sleeping models' weights and {a.models} engine processes "
+            f"(~{format_size(need)} > {format_size(have)} available): lower --models or raise --max-awake"
+        )
+    if not a.cpu and a.max_awake * w + a.kv > dev * 0.95:
+        why = f"{a.max_awake} awake models' weights and the KV budget exceed the GPU: lower --max-awake or --kv"
+    return lines, why
+
+
+class Router:
+    """``python -m kvcached.router serve`` in a child process, and what the tests read of it."""
+
+    def __init__(self, a: argparse.Namespace, cfg: Dict) -> None:
+        self.port = cfg["port"]
+        self.cfg_path = os.path.join(a.out, "router.json")
+        write_json(self.cfg_path, cfg)
+        self.log_path = os.path.join(a.out, "router.log")
+        self.logf = open(self.log_path, "w")
+        env = dict(os.environ)
+        # vLLM's sleep mode (the CuMem allocator) refuses expandable segments.
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcached.router", "serve", self.cfg_path],
+            stdout=self.logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def states(self) -> Dict[str, str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=30) as r:
+            return {m["id"]: m.get("state", "?") for m in json.load(r)["data"]}
+
+    def wait_listening(self, timeout: float) -> None:
+        t0 = time.monotonic()
+        while True:
+            try:
+                self.states()
+                return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"the router did not come up; see {self.log_path}")
+            time.sleep(0.5)
+
+    def transitions(self) -> Dict[str, List[Tuple[str, float, str]]]:
+        """From the router's log: every wake and sleep as (model, seconds, mode), and evictions."""
+        out: Dict[str, list] = {"wakes": [], "sleeps": [], "evictions": []}
+        with open(self.log_path, errors="replace") as f:
+            for line in f:
+                m = re.search(r"kvcached\.router: (\S+): (awake|asleep) after ([\d.]+) s \((\w+)\)", line)
+                if m:
+                    out["wakes" if m.group(2) == "awake" else "sleeps"].append(
+                        (m.group(1), float(m.group(3)), m.group(4))
+                    )
+                m = re.search(r"kvcached\.router: (\S+): put to sleep to make room", line)
+                if m:
+                    out["evictions"].append((m.group(1), 0.0, ""))
+        return out
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(180)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = -9
+        self.logf.close()
+        return rc
+
+
+class StateWatch(threading.Thread):
+    """The router's model states, polled every ``period`` s (what a request found when it was sent)."""
+
+    def __init__(self, router: Router, period: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.router, self.period, self.latest = router, period, {}
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.latest = self.router.states()
+            except OSError:
+                pass
+            self._stop.wait(self.period)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def one(port: int, model: str, prompt: List[int], gen: int) -> Tuple[Optional[float], bool]:
+    """One streamed request through the router: (TTFT or None, ok)."""
+    try:
+        ttft, _total, got = vs.stream(SimpleNamespace(port=port, model=model), prompt, gen, timeout=900)
+        return ttft, got >= gen
+    except Exception:  # noqa: BLE001 - counted as a failure
+        return None, False
+
+
+def reference(port: int, model: str, gen: int) -> List[List[int]]:
+    """The model's greedy tokens for its reference prompts, in one request (one batch)."""
+    prompts = vs.token_prompts(REF_PROMPTS, 64, seed=7)
+    return vs.stream_batch(SimpleNamespace(port=port, model=model), prompts, gen, lambda i, done: None, timeout=900)
+
+
+def summary(xs: List[float]) -> Dict[str, Optional[float]]:
+    return {"n": len(xs), "p50": percentile(xs, 50), "p99": percentile(xs, 99), "max": max(xs, default=None)}
+
+
+def fmt(s: Dict[str, Optional[float]]) -> str:
+    if not s["n"]:
+        return "-"
+    return f"n={s['n']} p50 {s['p50']:.2f}s p99 {s['p99']:.2f}s max {s['max']:.2f}s"
+
+
+def run(a: argparse.Namespace, cfg: Dict) -> Dict:
+    router = Router(a, cfg)
+    port, models = cfg["port"], names(a.models)
+    res: Dict[str, object] = {"config": {k: v for k, v in vars(a).items() if k != "compare"}}
+    watch = StateWatch(router)
+    try:
+        router.wait_listening(300)
+        watch.start()
+        # 1. warm-up and references (held-back models start here, evicting the least recently used)
+        t0 = time.monotonic()
+        refs: Dict[str, List[List[int]]] = {}
+        for m in models:
+            t1 = time.monotonic()
+            refs[m] = reference(port, m, a.ref_tokens)
+            log(f"warm-up {m}: reference batch in {time.monotonic() - t1:.1f} s")
+        res["warmup_s"] = time.monotonic() - t0
+        # 2. rotating stream
+        rot: List[Dict[str, object]] = []
+        for r in range(a.rounds):
+            for i, m in enumerate(models):
+                before = watch.latest.get(m, "?")
+                t1 = time.monotonic()
+                again = reference(port, m, a.ref_tokens)  # the wake's request: the tokens are checked
+                first_s = time.monotonic() - t1
+                diff = sum(x != y for x, y in zip(again, refs[m]))
+                prompts = vs.token_prompts(a.burst, a.prompt_len, seed=100 + r * len(models) + i)
+                with ThreadPoolExecutor(a.burst) as ex:
+                    got = list(ex.map(lambda p, m=m: one(port, m, p, a.gen), prompts))
+                ttfts = [t for t, _ in got if t is not None]
+                rot.append(
+                    {"model": m, "state_before": before, "first_batch_s": first_s, "token_diffs": diff,
+                     "ttft": summary(ttfts), "failed": sum(not ok for _, ok in got), "seconds": time.monotonic() - t1}
+                )  # fmt: skip
+                log(
+                    f"visit {m} ({before}): reference batch {first_s:.1f} s, {diff} of {REF_PROMPTS} differ; "
+                    f"burst TTFT {fmt(summary(ttfts))}, {rot[-1]['failed']} failed"
+                )
+        res["rotating"] = rot
+        # 3. Zipf stream
+        rng = random.Random(0)
+        weights = [1.0 / (k + 1) ** a.zipf_s for k in range(len(models))]
+        zipf: List[Tuple[str, str, Optional[float], bool]] = []
+        lock = threading.Lock()
+
+        def send(m: str, p: List[int]) -> None:
+            before = watch.latest.get(m, "?")
+            ttft, ok = one(port, m, p, a.gen)
+            with lock:
+                zipf.append((m, before, ttft, ok))
+
+        t1 = time.monotonic()
+        with ThreadPoolExecutor(256) as ex:
+            k = 0
+            while time.monotonic() - t1 < a.zipf_seconds:
+                m = rng.choices(models, weights)[0]
+                ex.submit(send, m, vs.token_prompts(1, a.prompt_len, seed=10_000 + k)[0])
+                k += 1
+                time.sleep(rng.expovariate(a.rate))
+        res["zipf"] = zipf
+        res["transitions"] = router.transitions()
+    finally:
+        watch.stop()
+        res["router_rc"] = router.stop()
+    return res
+
+
+def report(res: Dict, other: Optional[Dict]) -> int:
+    a = SimpleNamespace(**res["config"])  # type: ignore[arg-type]
+    tr = res["transitions"]
+    wakes = [s for _, s, mode in tr["wakes"] if mode == a.sleep]
+    starts = [s for _, s, mode in tr["wakes"] if mode != a.sleep]
+    sleeps = [s for _, s, _ in tr["sleeps"]]
+    rot = res["rotating"]
+    cold = [r["ttft"] for r in rot if r["state_before"] != "ready"]
+    zipf = res["zipf"]
+    z_cold = [t for _, st, t, ok in zipf if t is not None and st != "ready"]
+    z_warm = [t for _, st, t, ok in zipf if t is not None and st == "ready"]
+    failed = sum(r["failed"] for r in rot) + sum(not ok for *_, ok in zipf)
+    print(f"\nsleep_engine: {a.models} {a.engine} models, max_awake {a.max_awake}, sleep: {a.sleep}, KV budget {a.kv}")
+    print(f"warm-up (references; held-back models started): {res['warmup_s']:.0f} s")
+    print(f"wakes by {a.sleep}: {fmt(summary(wakes))}")
+    print(f"first starts: {fmt(summary(starts))}; sleeps: {fmt(summary(sleeps))}; evictions {len(tr['evictions'])}")
+    print(
+        f"rotating: {len(rot)} visits (reference batch, then {a.burst} at once), {len(cold)} found their model asleep"
+    )
+    for r in rot:
+        print(
+            f"  {r['model']:<4} {r['state_before']:<9} reference batch {r['first_batch_s']:6.1f} s "
+            f"({r['token_diffs']} differ)  burst TTFT {fmt(r['ttft'])}  failed {r['failed']}"
+        )
+    print(f"zipf {a.zipf_seconds:.0f} s at {a.rate}/s: {len(zipf)} requests; TTFT model awake {fmt(summary(z_warm))}")
+    print(f"                                   TTFT model asleep {fmt(summary(z_cold))}")
+    woken = [r for r in rot if r["state_before"] != "ready"]
+    bad = sum(r["token_diffs"] for r in rot)
+    print(
+        f"greedy tokens vs each model's reference: {REF_PROMPTS * len(rot)} sequences, {bad} differ; "
+        f"{REF_PROMPTS * len(woken)} of them right after a wake ({len({r['model'] for r in woken})} models)"
+    )
+    if other is not None:
+        o = SimpleNamespace(**other["config"])
+        ow = [s for _, s, mode in other["transitions"]["wakes"] if mode == o.sleep]
+        oz = [t for _, st, t, ok in other["zipf"] if t is not None and st != "ready"]
+        print(f"compare: wake p50/p99 {a.sleep} {fmt(summary(wakes))} | {o.sleep} {fmt(summary(ow))}")
+        print(f"         cold-request TTFT {a.sleep} {fmt(summary(z_cold))} | {o.sleep} {fmt(summary(oz))}")
+    print(f"{failed} requests failed; router exit status {res['router_rc']} after SIGTERM")
+    ok = not failed and not bad and res["router_rc"] == 0 and bool(woken)
+    return 0 if ok else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--models",
+        type=int,
+        default=None,
+        help="copies behind the router (default: the fewest whose weights exceed the device; --cpu 3)",
+    )
+    ap.add_argument(
+        "--max-awake",
+        type=int,
+        default=None,
+        help="engines holding weights at once (default: as many as fit beside the KV budget; --cpu 2)",
+    )
+    ap.add_argument("--sleep", choices=("engine", "stop"), default=None, help="default engine (--cpu: stop)")
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    ap.add_argument("--engine-python", default=sys.executable, help="the interpreter that has the engine")
+    ap.add_argument("--engine-path", default=None, help="the engines' PYTHONPATH (default: ours)")
+    ap.add_argument(
+        "--kv", default=None, help="shared KV budget, also each engine's virtual KV (default 16G; --cpu 32M)"
+    )
+    ap.add_argument(
+        "--gpu-utilization", type=float, default=0.2, help="vLLM's start-up check only (KV bytes are explicit)"
+    )
+    ap.add_argument("--idle", type=float, default=600.0, help="idle_seconds: only max_awake puts models to sleep")
+    ap.add_argument("--rounds", type=int, default=1, help="rotating rounds over the models")
+    ap.add_argument("--burst", type=int, default=None, help="requests per visit (default 8; --cpu 2)")
+    ap.add_argument("--rate", type=float, default=None, help="Zipf stream requests per second (default 4; --cpu 0.5)")
+    ap.add_argument("--zipf-seconds", type=float, default=None, help="default 45; --cpu 20")
+    ap.add_argument("--zipf-s", type=float, default=1.1)
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 512; --cpu 32")
+    ap.add_argument("--gen", type=int, default=None, help="tokens per request (default 64; --cpu 8)")
+    ap.add_argument("--ref-tokens", type=int, default=None, help="tokens of the reference batch (default 64; --cpu 8)")
+    ap.add_argument("--compare", default=None, help="another run's sleep_engine.json to print beside this one")
+    ap.add_argument("--dry-run", action="store_true", help="write the config, print the plan and checks, start nothing")
+    ap.add_argument("--device-gib", type=float, default=None, help="plan for a device this large (default: probed)")
+    ap.add_argument(
+        "--weights-gib", type=float, default=None, help="plan for weights this large (default: the model's)"
+    )
+    ap.add_argument("--cpu", action="store_true")
+    a = ap.parse_args(argv)
+    cpu = a.cpu
+    a.sleep = a.sleep or ("stop" if cpu else "engine")
+    if cpu and a.sleep == "engine":
+        raise SystemExit(
+            "--cpu: neither engine can sleep on a CPU (vLLM refuses --enable-sleep-mode); use --sleep stop"
+        )
+    a.kv = parse_size(a.kv or ("32M" if cpu else "16G"))
+    dev = device_bytes(cpu, a.device_gib)
+    w = int(a.weights_gib * GIB) if a.weights_gib else weight_bytes(a.model)
+    auto_n, auto_k = (3, 2) if cpu else fit(dev, w, a.kv)
+    a.models, a.max_awake = a.models or auto_n, a.max_awake or auto_k
+    a.burst = a.burst or (2 if cpu else 8)
+    a.rate = a.rate or (0.5 if cpu else 4.0)
+    a.zipf_seconds = a.zipf_seconds if a.zipf_seconds is not None else (20.0 if cpu else 45.0)
+    a.prompt_len = a.prompt_len or (32 if cpu else 512)
+    a.gen = a.gen or (8 if cpu else 64)
+    a.ref_tokens = a.ref_tokens or (8 if cpu else 64)
+    if not 1 <= a.max_awake < a.models:
+        raise SystemExit(f"--max-awake must be >= 1 and below --models ({a.models}), got {a.max_awake}")
+    os.makedirs(a.out, exist_ok=True)
+    lines, why = plan_checks(a, dev)
+    for ln in lines:
+        log(ln)
+    cfg = config(a, free_port(), dev)
+    write_json(os.path.join(a.out, "router.json"), cfg)
+    if why and not a.dry_run:
+        log(f"cannot run: {why}")
+        return 2
+    if a.dry_run:
+        if why:
+            log(f"this machine could not run it: {why}")
+        from kvcached.router.config import parse_config
+
+        parse_config(cfg, source=os.path.join(a.out, "router.json"))  # the router's own checks
+        log(f"dry run: config {os.path.join(a.out, 'router.json')} passes the router's checks; nothing started")
+        return 0
+    res = run(a, cfg)
+    res["config"]["kv"] = format_size(a.kv)
+    write_json(os.path.join(a.out, "sleep_engine.json"), res)
+    other = None
+    if (
+        a.compare
+        and os.path.exists(a.compare)
+        and os.path.abspath(a.compare) != os.path.abspath(os.path.join(a.out, "sleep_engine.json"))
+    ):
+        with open(a.compare) as f:
+            other = json.load(f)
+    return report(res, other)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
