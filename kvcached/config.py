@@ -206,6 +206,14 @@ VARIABLES: Tuple[Var, ...] = (
         meaning="ANSI colour of kvcached's own handler for levels without their own colour (upstream's)",
     ),
     Var(
+        name="KVCACHED_ZERO_PAGE",
+        type="str",
+        default="rw",
+        meaning="`ro` maps the zero page behind unmapped KV memory read-only: a kernel writing where "
+        "no page is mapped faults instead of changing what all unmapped memory reads (a probe: "
+        "proven on the host backend, not yet on a GPU)",
+    ),
+    Var(
         name="KVCACHED_FAULT_INJECT",
         type="spec",
         default="-",

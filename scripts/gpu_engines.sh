@@ -24,6 +24,8 @@
 #   hybrid-eager, hybrid-sync
 #                the same pair without CUDA graphs / without async scheduling: which one the
 #                2026-12-04 difference (docs/GPU.md) needs
+#   hybrid-ro    the hybrid pair with kvcached's zero page read-only (KVCACHED_ZERO_PAGE=ro): a kernel
+#                writing where no page is mapped faults instead of changing what unmapped memory reads
 #   hybrid-real  a Qwen3-Next with the real model's layer shapes (float32 state: a block larger than
 #                the 2 MiB page) served without KVCACHED_PAGE_SIZE: the page is chosen from the spec
 #   hybrid-limit the Qwen3-Next under a small limit, bfloat16 with float32 state (vLLM's GDN prefill
@@ -124,6 +126,8 @@ for step in "${steps[@]}"; do
       [ "$step" = hybrid-eager ] && knob='"enforce_eager": true' || knob='"async_scheduling": false'
       run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 --kv 2G \
         --only native,kvcached --engine-args "${gdn%\}}, $knob}" ;;
+    hybrid-ro) KVCACHED_ZERO_PAGE=ro run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 \
+      --kv 2G --only native,kvcached --engine-args "$gdn" ;;
     hybrid-real) unset KVCACHED_PAGE_SIZE  # the point: no page-size variable
       run "$step" $proof/correctness.py --model "$hybrid_real" \
       --allow-unsupported --prompts 100 --kv 4G --only native,kvcached,native-2 --control \
@@ -162,7 +166,7 @@ for step in "${steps[@]}"; do
     sleep-engine|sleep-engine-stop)
       if [ "$step" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
       run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed sleep-engine sleep-engine-stop)" >&2
+    *) echo "unknown step $step (suite model limits correctness correctness-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed sleep-engine sleep-engine-stop)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

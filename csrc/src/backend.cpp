@@ -74,9 +74,9 @@ void Backend::map(uintptr_t va, size_t size, PhysHandle h) {
   do_map(va, size, h);
 }
 
-void Backend::set_access(uintptr_t va, size_t size) {
+void Backend::set_access(uintptr_t va, size_t size, bool writable) {
   if (faults::should_fail(BackendOp::SetAccess)) injected(BackendOp::SetAccess);
-  do_set_access(va, size);
+  do_set_access(va, size, writable);
 }
 
 void Backend::unmap(uintptr_t va, size_t size) {

@@ -160,9 +160,12 @@ class CudaBackend final : public Backend {
     check(driver().MemMap(static_cast<CUdeviceptr>(va), size, 0, static_cast<CUmemGenericAllocationHandle>(h), 0),
           "cuMemMap");
   }
-  void do_set_access(uintptr_t va, size_t size) override {
+  void do_set_access(uintptr_t va, size_t size, bool writable) override {
     bind_thread();
-    check(driver().MemSetAccess(static_cast<CUdeviceptr>(va), size, &access_, 1), "cuMemSetAccess");
+    CUmemAccessDesc a = access_;
+    if (!writable) a.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+    check(driver().MemSetAccess(static_cast<CUdeviceptr>(va), size, &a, 1),
+          writable ? "cuMemSetAccess" : "cuMemSetAccess (read-only zero page: unset KVCACHED_ZERO_PAGE if the driver refuses it)");
   }
   void do_unmap(uintptr_t va, size_t size) override {
     bind_thread();

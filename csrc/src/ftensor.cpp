@@ -20,7 +20,8 @@ namespace {
 size_t va_alignment(size_t unit) { return unit & (~unit + 1); }
 }  // namespace
 
-ZeroPage::ZeroPage(std::shared_ptr<Backend> backend, size_t size) : backend_(std::move(backend)), size_(size) {
+ZeroPage::ZeroPage(std::shared_ptr<Backend> backend, size_t size, bool read_only)
+    : backend_(std::move(backend)), size_(size), read_only_(read_only) {
   handle_ = backend_->create(size);
   // Zero it through a scratch mapping (GPU memory is not zeroed by create).
   uintptr_t va = 0;
@@ -63,7 +64,7 @@ FTensor::FTensor(std::shared_ptr<Backend> backend, size_t size, size_t unit, std
   size_t done = 0;
   try {
     for (; done < n; ++done) backend_->map(va(done), unit_, zero_->handle());
-    backend_->set_access(base_, size_);  // one call over the whole range
+    backend_->set_access(base_, size_, !zero_->read_only());  // one call over the whole range
   } catch (...) {
     for (size_t i = 0; i < done; ++i) {
       try { backend_->unmap(va(i), unit_); } catch (...) {}
@@ -98,7 +99,7 @@ struct StuckMapping : Error {
 void FTensor::map_accessible(size_t i, PhysHandle h) {
   backend_->map(va(i), unit_, h);
   try {
-    backend_->set_access(va(i), unit_);
+    backend_->set_access(va(i), unit_, h != zero_->handle() || !zero_->read_only());
   } catch (const Error& e) {
     try {
       backend_->unmap(va(i), unit_);

@@ -1,6 +1,7 @@
 #include "kvcached/ftensor_allocator.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <unordered_set>
 
@@ -10,6 +11,16 @@ namespace kvcached {
 
 namespace {
 std::string bytes_text(size_t b) { return std::to_string(b) + " bytes"; }
+
+// KVCACHED_ZERO_PAGE: "rw" (the default) or "ro": the zero page read-only, so that a kernel
+// writing into unmapped KV memory faults instead of changing what all unmapped memory reads.
+bool zero_page_read_only() {
+  const char* v = std::getenv("KVCACHED_ZERO_PAGE");
+  std::string s = v ? v : "";
+  if (s.empty() || s == "rw") return false;
+  if (s == "ro") return true;
+  invalid("KVCACHED_ZERO_PAGE=" + s + " is neither rw nor ro; unset it, or set ro to make a write into unmapped KV memory fault");
+}
 }  // namespace
 
 FTensorAllocator::FTensorAllocator(std::shared_ptr<Backend> backend, int group_id, size_t page_size,
@@ -61,7 +72,7 @@ void FTensorAllocator::create_kv_tensors(size_t size, size_t num_layers, size_t 
   size_t buffer = (size + page_size_ - 1) / page_size_ * page_size_;
   size_t pages = buffer / page_size_;
   size_t unit = contiguous_ ? page_size_ * num_layers * num_kv_buffers : page_size_;
-  auto zero = std::make_shared<ZeroPage>(backend_, unit);
+  auto zero = std::make_shared<ZeroPage>(backend_, unit, zero_page_read_only());
   std::vector<std::shared_ptr<FTensor>> tensors;
   if (contiguous_) {
     tensors.push_back(std::make_shared<FTensor>(backend_, pages * unit, unit, zero));

@@ -126,8 +126,10 @@ class HipBackend final : public Backend {
     check(hip().MemMap(reinterpret_cast<void*>(va), size, 0, reinterpret_cast<hipMemGenericAllocationHandle_t>(h), 0),
           "hipMemMap");
   }
-  void do_set_access(uintptr_t va, size_t size) override {
-    check(hip().MemSetAccess(reinterpret_cast<void*>(va), size, &access_, 1), "hipMemSetAccess");
+  void do_set_access(uintptr_t va, size_t size, bool writable) override {
+    hipMemAccessDesc a = access_;
+    if (!writable) a.flags = hipMemAccessFlagsProtRead;
+    check(hip().MemSetAccess(reinterpret_cast<void*>(va), size, &a, 1), "hipMemSetAccess");
   }
   void do_unmap(uintptr_t va, size_t size) override {
     check(hip().MemUnmap(reinterpret_cast<void*>(va), size), "hipMemUnmap");

@@ -2,7 +2,7 @@
 //   reserve     -> mmap(PROT_NONE, MAP_NORESERVE)        (cuMemAddressReserve)
 //   create      -> memfd + fallocate (memory is committed) (cuMemCreate)
 //   map         -> mmap(MAP_FIXED|MAP_SHARED, PROT_NONE)  (cuMemMap)
-//   set_access  -> mprotect(READ|WRITE)                   (cuMemSetAccess)
+//   set_access  -> mprotect(READ|WRITE, or READ)          (cuMemSetAccess)
 //   unmap       -> mmap(MAP_FIXED, PROT_NONE) over it     (cuMemUnmap)
 //   release     -> close(fd)                              (cuMemRelease)
 // Like a CUDA handle, a memfd stays alive while it is mapped anywhere, and its
@@ -103,8 +103,8 @@ class HostBackend final : public Backend {
     }
   }
 
-  void do_set_access(uintptr_t va, size_t size) override {
-    if (mprotect(reinterpret_cast<void*>(va), size, PROT_READ | PROT_WRITE) != 0) {
+  void do_set_access(uintptr_t va, size_t size, bool writable) override {
+    if (mprotect(reinterpret_cast<void*>(va), size, writable ? PROT_READ | PROT_WRITE : PROT_READ) != 0) {
       fail(ErrorKind::Backend, "host backend: mprotect failed: " + errno_text(errno));
     }
   }

@@ -47,7 +47,9 @@ class Backend {
   // call leaves nothing half-done at this level.
   PhysHandle create(size_t size);
   void map(uintptr_t va, size_t size, PhysHandle h);
-  void set_access(uintptr_t va, size_t size);
+  // Read-write by default; read-only for the zero page where KVCACHED_ZERO_PAGE=ro asks
+  // that a stray write into unmapped memory fault instead of changing what every unmapped unit reads.
+  void set_access(uintptr_t va, size_t size, bool writable = true);
   void unmap(uintptr_t va, size_t size);
   void release(PhysHandle h, size_t size);
 
@@ -65,7 +67,7 @@ class Backend {
   explicit Backend(DeviceSpec d) : device_(d) {}
   virtual PhysHandle do_create(size_t size) = 0;
   virtual void do_map(uintptr_t va, size_t size, PhysHandle h) = 0;
-  virtual void do_set_access(uintptr_t va, size_t size) = 0;
+  virtual void do_set_access(uintptr_t va, size_t size, bool writable) = 0;
   virtual void do_unmap(uintptr_t va, size_t size) = 0;
   virtual void do_release(PhysHandle h) = 0;
 

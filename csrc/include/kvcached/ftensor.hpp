@@ -20,20 +20,25 @@
 
 namespace kvcached {
 
-// One zeroed physical allocation of `size` bytes, mapped behind every unmapped unit.
+// One zeroed physical allocation of `size` bytes, mapped behind every unmapped unit of
+// every tensor of a group. Invariant: it reads zeros. Mapped read-write (the default), a
+// kernel's stray write into unmapped memory would change what every unmapped unit reads;
+// read-only (`read_only`, KVCACHED_ZERO_PAGE=ro), that write faults instead.
 class ZeroPage {
  public:
-  ZeroPage(std::shared_ptr<Backend> backend, size_t size);
+  ZeroPage(std::shared_ptr<Backend> backend, size_t size, bool read_only = false);
   ~ZeroPage();
   ZeroPage(const ZeroPage&) = delete;
   ZeroPage& operator=(const ZeroPage&) = delete;
   PhysHandle handle() const { return handle_; }
   size_t size() const { return size_; }
+  bool read_only() const { return read_only_; }
 
  private:
   std::shared_ptr<Backend> backend_;
   PhysHandle handle_ = 0;
   size_t size_ = 0;
+  bool read_only_ = false;
 };
 
 class FTensor {
