@@ -55,18 +55,18 @@ def test_the_shared_zero_page_is_why_the_option_exists():
 
 def test_read_only_zero_page_reads_zeros_maps_writable_pages_and_faults_on_a_stray_write(device, page_size):
     p = run(
-        """
+        f"""
         assert int(a.abs().sum()) == 0 and int(b.abs().sum()) == 0
-        vmm.map_to_kv_tensors([{page}])
+        vmm.map_to_kv_tensors([{page_size}])
         a[:, 1].fill_(7)                   # a mapped page is writable
         assert int(a[:, 1].sum()) == 7 * a[:, 1].numel()
-        vmm.unmap_from_kv_tensors([{page}])
+        vmm.unmap_from_kv_tensors([{page_size}])
         assert int(a.abs().sum()) == 0     # read-only zeros again
         print("ok", flush=True)
         a[:, 1].fill_(1)                   # unmapped again: this write must fault
         sync()
         print("not reached", flush=True)
-        """.format(page=page_size),
+        """,
         "ro",
         device,
         page_size,
