@@ -74,6 +74,7 @@ from kvcached.block_geometry import GOOD_UTILIZATION, BlockGeometry, better_page
 from kvcached.block_index import BlockIndex
 from kvcached.block_ledger import FREE, NULL, OUT, RESERVED, BlockLedger
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError, ShutdownError, StateConsistencyError, int_arg
+from kvcached.limits.writer import write_limit
 from kvcached.manager_setup import (
     AUTO,
     Barrier,
@@ -751,15 +752,7 @@ class KVCacheManager:
             effective = min(limit, self.geometry.num_pages * bundle) // bundle * bundle
             pending = False
             if self.limits is not None:
-                from kvcached.control import revision_acked
-
-                written = int(self.limits.tracker.set_limit(effective))
-                deadline = time.monotonic() + max(0.0, float(wait_s))
-                while not revision_acked(self.limits.applied_revision, written):
-                    if time.monotonic() >= deadline:
-                        pending = True
-                        break
-                    time.sleep(0.001)
+                pending = not write_limit(self.limits.tracker, effective, wait_s=wait_s).acked
             else:
                 self.set_mem_limit(effective)
             self._limit_rev, self._limit_bytes = rev, limit

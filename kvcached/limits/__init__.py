@@ -4,6 +4,7 @@
   records   read-only views of the records (tools; no torch, no GPU library)
   budget    the device budget shared by all instances on a device
   instance  InstanceLimits: owns a record, watches it, caps a PageAllocator
+  writer    the one writer of a limit: write it, wait for the owner's ack, say what happened
 
 Record names (KVCACHED_IPC_NAME or kvcached_<engine>_<pid>, ``_g<g>`` per KV
 group) are kvcached.naming's; ``instance_name`` and ``group_record_name`` are
