@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from kvcached import _C, config, vmm_ops
+from kvcached.compat.manager_args import AUTO, build_collaborators
+from kvcached.compat.upstream_manager import KVCacheManager
 from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError, ShutdownError
-from kvcached.kv_cache_manager import KVCacheManager
-from kvcached.manager_setup import AUTO, build_collaborators
 
 logger = logging.getLogger(__name__)
 

@@ -157,7 +157,7 @@ class InstanceLimits:
         self.on_peer_short: Optional[Callable[[], None]] = None
         # Called on the watcher thread, with no lock of this object held, when
         # mapped pages that hold no block must go now: a limit lowered below
-        # what is mapped, or a peer short of budget. The KVCacheManager sets it
+        # what is mapped, or a peer short of budget. The BlockManager sets it
         # to release its parked pages (which the allocator counts as in use).
         self.reclaim_unused: Optional[Callable[[], object]] = None
         self._stopping = False

@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from kvcached import observability, pool_registry
 from kvcached.compat import snapshots
+from kvcached.compat.manager_args import auto_record
+from kvcached.compat.upstream_manager import KVCacheManager
 from kvcached.integration import kv_views, runtime
-from kvcached.kv_cache_manager import KVCacheManager
-from kvcached.manager_setup import auto_record
 from kvcached.utils import configure_logging
 
 ENGINE = "sglang"

@@ -36,13 +36,13 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from kvcached import _C, naming
 from kvcached.block_geometry import page_size_for_block
+from kvcached.compat.upstream_manager import KVCacheManager
 from kvcached.devices import normalize_device
 from kvcached.elastic import ElasticInstance, ElasticPool
 from kvcached.errors import InvalidArgumentError
 from kvcached.integration import runtime
 from kvcached.integration.patch_base import manager_of
 from kvcached.integration.sglang import conflicts, interfaces
-from kvcached.kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger("kvcached.integration.sglang")
 

@@ -28,9 +28,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvcached import observability, pool_registry
 from kvcached.compat import snapshots, vllm_kv
+from kvcached.compat.manager_args import auto_record
+from kvcached.compat.upstream_manager import KVCacheManager
 from kvcached.integration import kv_views, runtime
-from kvcached.kv_cache_manager import KVCacheManager
-from kvcached.manager_setup import auto_record
 from kvcached.utils import configure_logging
 
 ENGINE = "vllm"
