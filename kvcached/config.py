@@ -29,6 +29,8 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from kvcached.units import parse_size  # a ground module: no torch, no extension
+
 MiB = 1 << 20
 DEFAULT_PAGE_SIZE = 2 * MiB
 
@@ -476,8 +478,6 @@ def host_memory_budget() -> Optional[int]:
     v = _raw(name, "size")
     if v is None:
         return None
-    from kvcached.limits.units import parse_size  # no torch, no extension
-
     try:
         n = parse_size(v)
     except ValueError as e:

@@ -33,9 +33,9 @@ from typing import Any, Dict, List, Optional
 
 from kvcached import _C, pool_registry
 from kvcached.limits.records import RecordView, list_records, read_record
-from kvcached.limits.units import format_size
 from kvcached.limits.writer import validate_limit, write_limit
 from kvcached.naming import default_instance_name, env_instance_name, validate_name
+from kvcached.units import format_size
 
 APPLIED = "applied"
 DEFERRED = "deferred"

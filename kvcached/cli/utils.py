@@ -16,8 +16,8 @@ from typing import Dict, List, Optional
 
 from kvcached import _C
 from kvcached.limits.records import RecordView, list_records, read_record
-from kvcached.limits.units import format_size
 from kvcached.limits.writer import validate_limit, write_limit
+from kvcached.units import format_size
 from kvcached.utils import SHM_DIR
 
 

@@ -37,9 +37,9 @@ from kvcached.limits.budget import DeviceBudget
 from kvcached.limits.owned_record import create_record, record_trusted
 from kvcached.limits.record_stats import REFUSED_BUDGET, REFUSED_LIMIT, RecordStats
 from kvcached.limits.records import RecordView, parse_device
-from kvcached.limits.units import format_size
 from kvcached.naming import group_name as group_record_name
 from kvcached.naming import instance_name, validate_name
+from kvcached.units import format_size
 
 logger = logging.getLogger(__name__)
 

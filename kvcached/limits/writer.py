@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvcached.limits.records import RecordView
-from kvcached.limits.units import format_size
+from kvcached.units import format_size
 
 # How often the writer looks for the owner's acknowledgement while it waits
 # (the owner's watcher is woken by the write and answers within milliseconds).
