@@ -460,15 +460,9 @@ DEFAULT_GPU_UTILIZATION = 0.95
 def gpu_utilization() -> float:
     """KVCACHED_GPU_UTILIZATION as a fraction in (0, 1]; raises ValueError naming the fix."""
     name = "KVCACHED_GPU_UTILIZATION"
-    v = _raw(name, "float")
-    if v is None:
-        return DEFAULT_GPU_UTILIZATION
-    try:
-        f = float(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not a number; use a fraction such as 0.9") from None
+    f = get_float(name, DEFAULT_GPU_UTILIZATION, unit="a number; use a fraction such as 0.9")
     if not 0.0 < f <= 1.0:
-        raise ValueError(f"{name}={v!r} is outside (0, 1]; use a fraction such as 0.9")
+        raise ValueError(f"{name}={os.environ.get(name)!r} is outside (0, 1]; use a fraction such as 0.9")
     return f
 
 
