@@ -10,15 +10,18 @@ core (docs/COMPAT.md):
 * the revisioned limit (``set_memory_limit``, ``memory_limit_state``): the
   caller's revision orders its calls, the limit goes to the pool's record
   through the one writer (``kvcached.limits.writer``) or, without a record,
-  to the page allocator's cap;
+  to the page allocator's cap (``set_mem_limit``);
+* the resize target (``resize``: grows at once, shrinks as pages drain; a
+  page with a live block is never released), which the core's index keeps;
 * the snapshots (``observability_snapshot``, ``_observability_counts``, read
   under one hold of the core's lock) and upstream's readers
   (``get_mapped_memory_size(unit)``, ``reserved_blocks``, ``in_shrink``,
   ``target_num_blocks``, ``_get_num_alloced_blocks``).
 
-``kvcached.kv_cache_manager`` is upstream's import path of this class; the
-engine interfaces build it too, so every pool of a process answers upstream's
-limit call (``kvcached.control.set_instance_memory_limit``).
+``kvcached.kv_cache_manager`` is upstream's import path of this class. The
+engine adapters build it too (the interfaces, SGLang's pools, vLLM's backend),
+so every pool of a process answers upstream's limit call
+(``kvcached.control.set_instance_memory_limit`` without a name).
 """
 
 from __future__ import annotations
