@@ -58,7 +58,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
-from kvcached import _C, block_report, config, naming, pool_registry
+from kvcached import _C, block_report, config, naming
 from kvcached.block_index import BlockIndex
 from kvcached.block_ledger import FREE, OUT, RESERVED, BlockLedger
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError, ShutdownError, int_arg
@@ -103,8 +103,7 @@ class BlockManager:
         pool_name: name of this pool; default: its record's name, else
             ``kvcached.naming``'s name of the instance (``_g<group>`` for group > 0).
         page_size: bytes per page (default: the data plane's, else ``KVCACHED_PAGE_SIZE``).
-        engine: the pool's engine tag (its default name; the registry's
-            ``integration`` when ``vllm`` or ``sglang``).
+        engine: the pool's engine tag (its default name).
         device: the pages' device (default: this process's data plane's).
         mapper: maps/unmaps page offsets in every process holding the tensors,
             all or nothing (``manager_setup.Mapper``, e.g. a ``TPCoordinator``);
@@ -117,8 +116,6 @@ class BlockManager:
             under the manager's lock (also on the grace thread), so it must not
             call the manager.
         empty_page_grace_s: the grace of parked pages; 0 disables parking.
-
-    Every manager is listed in ``kvcached.pool_registry`` until ``shutdown()``.
     """
 
     def __init__(
@@ -197,8 +194,6 @@ class BlockManager:
             # A lowered limit (or a peer short of budget) takes parked pages at once.
             ref = weakref.WeakMethod(self._reclaim_for_limits)
             self.limits.reclaim_unused = lambda: (ref() or int)()
-        tag = engine if engine != "kvcached" else getattr(self.limits, "engine", None)
-        self.integration = tag if tag in ("vllm", "sglang") else None
         if not self._local or _C.kv_tensors_created(self.group_id):
             try:
                 with self._lock:
@@ -206,7 +201,6 @@ class BlockManager:
             except BaseException:
                 self.shutdown()  # the record and the threads go with the failed construction
                 raise
-        pool_registry.register_kv_cache_pool(self, integration=self.integration)
         if config.sanity_check():
             block_report.check_after_every_change(self)
         logger.debug(
@@ -458,7 +452,6 @@ class BlockManager:
         Blocks still allocated are dropped (their tensors read the zero page).
         Later calls raise ShutdownError, except shutdown() itself.
         """
-        pool_registry.unregister_kv_cache_pool(self)
         with self._lock:
             if self._closed:
                 return
@@ -488,6 +481,6 @@ class BlockManager:
 
     def __repr__(self) -> str:
         return (
-            f"KVCacheManager({self.pool_name}: {self.num_blocks} blocks x {self.block_mem_size} B, "
+            f"{type(self).__name__}({self.pool_name}: {self.num_blocks} blocks x {self.block_mem_size} B, "
             f"{self.num_layers} layers x {self.num_kv_buffers} buffers, page {self.page_size} B)"
         )

@@ -13,6 +13,8 @@ core (docs/COMPAT.md):
   to the page allocator's cap (``set_mem_limit``);
 * the resize target (``resize``: grows at once, shrinks as pages drain; a
   page with a live block is never released), which the core's index keeps;
+* the registry of live pools (``kvcached.pool_registry``: a manager is listed
+  from construction to ``shutdown()``, tagged with its engine);
 * the snapshots (``observability_snapshot``, ``_observability_counts``, read
   under one hold of the core's lock) and upstream's readers
   (``get_mapped_memory_size(unit)``, ``reserved_blocks``, ``in_shrink``,
@@ -31,6 +33,7 @@ import operator
 import threading
 from typing import Any, Dict, List, Optional, Union
 
+from kvcached import pool_registry
 from kvcached.block_manager import EMPTY_PAGE_GRACE_S, BlockManager
 from kvcached.compat.manager_args import AUTO, MapFn, auto_record, build_collaborators
 from kvcached.errors import InvalidArgumentError, int_arg
@@ -117,6 +120,15 @@ class KVCacheManager(BlockManager):
             pool_name=pool_name, page_size=page_size, engine=engine, device=device, mapper=mapper, limits=limits,
             release_barrier=release_barrier, empty_page_grace_s=empty_page_grace_s,
         )  # fmt: skip
+        # Upstream's registry of live pools (its snapshots and limit call read it), until shutdown().
+        tag = engine if engine != "kvcached" else getattr(self.limits, "engine", None)
+        self.integration = tag if tag in ("vllm", "sglang") else None
+        pool_registry.register_kv_cache_pool(self, integration=self.integration)
+
+    def shutdown(self) -> None:
+        """Leaves upstream's pool registry, then shuts the core down (``BlockManager.shutdown``)."""
+        pool_registry.unregister_kv_cache_pool(self)
+        super().shutdown()
 
     # ------------------------------------------------ upstream's resize and cap
 
