@@ -144,7 +144,7 @@ class BlockManager:
         self.group_id = operator.index(group_id)
         self.reserve_null_block = bool(reserve_null_block)
         self.defer_physical_release = bool(defer_physical_release)
-        self._device = device = default_device(device)
+        device = default_device(device)
         self.mapper = mapper
         self._local = mapper is None
         page_size = resolve_page_size(page_size, self._local)  # ShutdownError without a data plane here
