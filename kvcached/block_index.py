@@ -1,8 +1,8 @@
 """BlockIndex: which free blocks sit on which held page, and which page to take them from.
 
-This is the placement half of ``KVCacheManager`` (the other half, the per-block
-ledger, the reserve of ``try_to_reserve``, deferred release and the page
-allocator, stays in ``kv_cache_manager.py``). It knows nothing of memory: a
+This is the placement half of ``BlockManager`` (the other half, the per-block
+ledger and the reserve of ``try_to_reserve``, is ``block_ledger.py``; pages
+come from ``page_supply.py`` and go through ``page_release.py``). It knows nothing of memory: a
 page is "held" when the manager acquired it from the page allocator, and the
 index only files its free block ids.
 
@@ -33,16 +33,18 @@ Invariants (``check()`` raises ``StateConsistencyError`` naming the broken one):
                  with the target.
   I5 unheld      ``unheld_caps`` counts exactly the unheld pages below the target.
 
-The public attributes are read by ``KVCacheManager`` on its hot path; only the
+The public attributes are read by ``BlockManager`` on its hot path; only the
 manager (under its lock) and tests of this module may change them.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import operator
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from kvcached._C import StateConsistencyError
 from kvcached.block_geometry import BlockGeometry
+from kvcached.errors import InvalidArgumentError
 
 
 class Page(list):
@@ -142,6 +144,26 @@ class BlockIndex:
                 buckets[k - t][pid] = page
                 self.mask |= 1 << (k - t)
         return rest
+
+    def take_run(self, n: int, fresh: List[int]) -> List[int]:
+        """Takes a run of ``n`` blocks: as many as they hold on the ``fresh`` pages
+        (just acquired; adopted and shelved here), the rest on held pages (``take``).
+
+        Fresh pages are mapped anyway: one request's run lies on few pages, and
+        the page count mapped is the same as filling held pages first. Raises
+        StateConsistencyError when held pages have fewer free blocks than ``nfree``.
+        """
+        taken: List[int] = []
+        on_fresh = min(n, sum(self.caps[pid] for pid in fresh))
+        if self.take(n - on_fresh, taken):
+            raise StateConsistencyError("KVCacheManager: held pages had fewer free blocks than counted")
+        for pid in fresh:
+            page = self.adopt(pid)
+            t = min(on_fresh, page.cap)
+            self.take_from(page, t, taken)
+            on_fresh -= t
+            self.shelve(page)
+        return taken
 
     def take_from(self, page: Page, t: int, out: List[int]) -> None:
         """Appends the ``t`` lowest free blocks of a page not yet shelved (a fresh one) to ``out``."""
@@ -265,6 +287,21 @@ class BlockIndex:
 
     def live_blocks(self) -> int:
         return sum(p.cap - len(p) for p in self.held.values())
+
+    def occupancy(self, page_ids: Optional[Iterable[int]] = None) -> Dict[int, int]:
+        """Live blocks (allocated, reserved or null) per page: every held page's,
+        or those of ``page_ids`` (0 for a page not held)."""
+        held = self.held
+        if page_ids is None:
+            return {pid: p.cap - len(p) for pid, p in held.items()}
+        out = {}
+        for pid in page_ids:
+            pid = operator.index(pid)
+            if not 0 <= pid < self.geometry.num_pages:
+                raise InvalidArgumentError(f"page id {pid} is out of range [0, {self.geometry.num_pages})")
+            p = held.get(pid)
+            out[pid] = p.cap - len(p) if p is not None else 0
+        return out
 
     def unheld_blocks(self) -> int:
         """Blocks on the unheld pages within the target."""

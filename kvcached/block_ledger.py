@@ -1,4 +1,4 @@
-"""BlockLedger: the state of every block id of one KVCacheManager.
+"""BlockLedger: the state of every block id of one BlockManager.
 
 ``states[b]`` is one of ``FREE`` (not handed out: free on a held page, on an
 unheld page, or a hole of the geometry), ``OUT`` (handed out by alloc; free()
@@ -96,6 +96,13 @@ class BlockLedger:
         ids, self.reserved = self.reserved, []
         self.mark(ids, FREE)
         return ids
+
+    def hold_null(self, index: BlockIndex) -> None:
+        """Block 0 becomes the null block, on page 0 just acquired (adopted into ``index`` here)."""
+        page = index.adopt(0)
+        page.pop()  # block 0: pop() yields the lowest id
+        self.states[0] = NULL
+        index.shelve(page)
 
     def free_all_on(self, index: BlockIndex) -> List[int]:
         """Marks every OUT or RESERVED block of the held pages FREE (not the null block); returns them."""

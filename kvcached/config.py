@@ -29,6 +29,8 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from kvcached.units import parse_size  # a ground module: no torch, no extension
+
 MiB = 1 << 20
 DEFAULT_PAGE_SIZE = 2 * MiB
 
@@ -466,15 +468,9 @@ DEFAULT_GPU_UTILIZATION = 0.95
 def gpu_utilization() -> float:
     """KVCACHED_GPU_UTILIZATION as a fraction in (0, 1]; raises ValueError naming the fix."""
     name = "KVCACHED_GPU_UTILIZATION"
-    v = _raw(name, "float")
-    if v is None:
-        return DEFAULT_GPU_UTILIZATION
-    try:
-        f = float(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not a number; use a fraction such as 0.9") from None
+    f = get_float(name, DEFAULT_GPU_UTILIZATION, unit="a number; use a fraction such as 0.9")
     if not 0.0 < f <= 1.0:
-        raise ValueError(f"{name}={v!r} is outside (0, 1]; use a fraction such as 0.9")
+        raise ValueError(f"{name}={os.environ.get(name)!r} is outside (0, 1]; use a fraction such as 0.9")
     return f
 
 
@@ -484,8 +480,6 @@ def host_memory_budget() -> Optional[int]:
     v = _raw(name, "size")
     if v is None:
         return None
-    from kvcached.limits.units import parse_size  # no torch, no extension
-
     try:
         n = parse_size(v)
     except ValueError as e:

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 from typing import Any, Dict, List, Optional
 
 from kvcached import _C, pool_registry
 from kvcached.limits.records import RecordView, list_records, read_record
-from kvcached.limits.units import format_size
+from kvcached.limits.writer import validate_limit, write_limit
 from kvcached.naming import default_instance_name, env_instance_name, validate_name
+from kvcached.units import format_size
 
 APPLIED = "applied"
 DEFERRED = "deferred"
@@ -162,28 +162,6 @@ def resolve_instance_name(name: Optional[str] = None) -> str:
     raise ValueError("cannot tell which instance to limit: pass name= or set KVCACHED_IPC_NAME (see `kvctl list`)")
 
 
-def validate_limit(limit_bytes: object, rec: RecordView, *, allow_zero: bool = False) -> Optional[str]:
-    """Why ``limit_bytes`` cannot be the limit of ``rec`` (None if it can).
-
-    0 (nothing new is mapped) is allowed with ``allow_zero`` (the Python API,
-    as upstream's); the command line refuses it as a likely typo."""
-    if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int):
-        return f"limit must be an integer number of bytes, got {limit_bytes!r}"
-    if limit_bytes < 0 or (limit_bytes == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        return f"limit must be {bound} bytes, got {limit_bytes}; to stop an instance, stop its engine"
-    if rec.device_bytes > 0 and limit_bytes > rec.device_bytes:
-        return (
-            f"limit {format_size(limit_bytes)} exceeds the usable memory of {rec.device} "
-            f"({format_size(rec.device_bytes)}); use at most {format_size(rec.device_bytes)}"
-        )
-    if not rec.alive:
-        return f"instance {rec.name!r} is dead (pid {rec.owner_pid}); remove it with `kvctl delete {rec.name}`"
-    if rec.engine == "job":  # kvcached.borrowing: nobody applies a limit there
-        return f"{rec.name!r} is a borrower (engine job), not an engine: its memory is its job's; end the borrow"
-    return None
-
-
 def set_instance_memory_limit(
     limit_bytes: int,
     revision: Optional[int] = None,
@@ -243,21 +221,14 @@ def _write_record(target: str, limit_bytes: Any, revision: Optional[int], wait_s
         if revision < rec.revision:
             return now(STALE, f"revision {revision} is older than the record's {rec.revision}; re-read and retry")
     try:
-        new_rev = int(tracker.set_limit(int(limit_bytes), -1 if revision is None else int(revision)))
+        w = write_limit(tracker, int(limit_bytes), expected_revision=revision, wait_s=wait_s)
     except _C.KvcachedError as e:  # a record found invalid or busy while writing: nothing written
         return now(REJECTED, str(e))
-    if new_rev < 0:
-        rec = RecordView.from_snapshot(tracker.snapshot())
+    snap = w.snapshot
+    if not w.written:
+        rec = RecordView.from_snapshot(snap)
         return now(CONFLICT, f"revision {revision} is not the record's ({rec.revision}); re-read and retry")
-    # The owner's watcher acknowledges within milliseconds; waiting briefly lets
-    # the answer say whether the limit is in force.
-    deadline = time.monotonic() + max(0.0, wait_s)
-    while True:
-        snap = tracker.snapshot()
-        acked = revision_acked(snap.applied_revision, new_rev)
-        if acked or time.monotonic() >= deadline:
-            break
-        time.sleep(0.002)
+    new_rev, acked = w.revision, w.acked
     mapped = int(snap.used + snap.prealloc)
 
     def written(status: str, message: str) -> LimitResult:
@@ -310,11 +281,6 @@ def _split_over_pools(pools: List[Any], limit_bytes: Any, revision: Optional[int
         pools=states,
         message=status if status == APPLIED else f"{status}: see pools",
     )
-
-
-def revision_acked(applied: int, written: int) -> bool:
-    """True when the owner applied revision ``written`` or a later one (32-bit counters, modulo wrap)."""
-    return ((int(applied) - int(written)) & 0xFFFFFFFF) < 0x80000000
 
 
 def get_instance_memory_limit(name: Optional[str] = None) -> RecordView:

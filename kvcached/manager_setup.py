@@ -1,9 +1,9 @@
-"""What a KVCacheManager is handed: its mapper, its limits and its release barrier.
+"""What a BlockManager is handed, and what it checks before it maps anything.
 
-``KVCacheManager`` maps nothing, owns no record and knows no device API: an
-engine adapter builds these three collaborators and passes them in::
+``BlockManager`` maps nothing, owns no record and knows no device API: an
+engine adapter builds its three collaborators and passes them in::
 
-    KVCacheManager(
+    BlockManager(
         num_blocks, block_size, cell_size, num_layers,
         reserve_null_block=True, num_kv_buffers=1, group_id=0, defer_physical_release=True,
         mapper=coordinator,                                   # .map(offsets) / .unmap(offsets)
@@ -12,21 +12,25 @@ engine adapter builds these three collaborators and passes them in::
         page_size=page, device=device,
     )
 
-``build_collaborators`` is the one place that turns the older convenience
-arguments (``world_size`` fan-out, ``map_fn``/``unmap_fn``, ``own_segment`` +
-``engine``, ``async_sched``) into those objects; ``KVCacheManager`` calls it so
-existing callers keep working unchanged.
+The rest checks what the manager is given against the data plane: its device,
+page size, block geometry, reserve bounds and KV tensors. Upstream's shorthand
+arguments (``world_size`` fan-out, ``map_fn``/``unmap_fn``, ``own_segment``,
+its always-present record) become these collaborators in
+``kvcached.compat.manager_args``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from typing import Any, Callable, List, Optional, Protocol, Tuple
 
-from kvcached.errors import InvalidArgumentError
+from kvcached.block_geometry import GOOD_UTILIZATION, BlockGeometry, better_page_size
+from kvcached.errors import InvalidArgumentError, ShutdownError
 
-MapFn = Callable[[List[int]], None]
+logger = logging.getLogger(__name__)
+
 Barrier = Callable[[], None]
 # Takes the manager's PageAllocator, returns an attached kvcached.limits.InstanceLimits.
 LimitsFactory = Callable[[Any], Any]
@@ -41,23 +45,6 @@ class Mapper(Protocol):
     def unmap(self, offsets: List[int]) -> None: ...
 
 
-class FunctionMapper:
-    """A Mapper over two functions (the older ``map_fn``/``unmap_fn`` arguments)."""
-
-    def __init__(self, map_fn: MapFn, unmap_fn: MapFn) -> None:
-        self.map = map_fn
-        self.unmap = unmap_fn
-
-
-class _Auto:
-    def __repr__(self) -> str:
-        return "AUTO"
-
-
-# release_barrier=AUTO: the older rule (see build_collaborators).
-AUTO: Any = _Auto()
-
-
 def device_sync_barrier(device: str) -> Barrier:
     """A barrier that waits for every kernel queued on ``device`` (``cuda:N``), so an
     empty page is not unmapped while a queued batch may still read it."""
@@ -68,18 +55,6 @@ def device_sync_barrier(device: str) -> Barrier:
         torch.cuda.synchronize(device)  # explicit device: the caller may be a helper thread
 
     return barrier
-
-
-def fanout_mapper(world_size: int, pp_rank: int, group_id: int) -> Mapper:
-    """The process-wide worker fan-out of ``kvcached.tp_ipc_util`` for (world, stage, group)."""
-    try:
-        from kvcached.tp_ipc_util import get_coordinator
-    except ImportError as e:
-        raise InvalidArgumentError(
-            f"world_size={world_size} needs the worker fan-out (kvcached.tp_ipc_util), which failed to import: {e}; "
-            "or pass mapper="
-        ) from None
-    return get_coordinator(world_size, pp_rank, group_id)
 
 
 def limits_factory(
@@ -95,89 +70,26 @@ def limits_factory(
     )
 
 
-# Upstream's default segment name probes ``<name>_1`` .. ``<name>_99`` when taken.
-_AUTO_SUFFIXES = 99
+def default_device(device: Optional[str]) -> Optional[str]:
+    """``device``, else the device of this process's data plane (None without one)."""
+    from kvcached import _C
 
-
-def auto_record(*, engine: str, device: str, group_id: int, budget: Any = None) -> LimitsFactory:
-    """``limits=`` of a manager whose caller did not choose (upstream's always-present
-    record): named for the instance (``kvcached.naming``), or upstream's
-    ``<name>_<k>`` when a live process holds that name; ``budget``: None (outside
-    any device budget) or ``"env"`` (the device budget, as the engines' pools)."""
-    from kvcached.errors import InvalidArgumentError as Invalid
-    from kvcached.limits import InstanceLimits
-    from kvcached.naming import instance_name
-
-    base = instance_name(engine)
-
-    def make(pa: Any) -> Any:
-        for k in range(_AUTO_SUFFIXES + 1):
-            candidate = base if k == 0 else f"{base}_{k}"
-            try:
-                return InstanceLimits.for_page_allocator(
-                    pa, engine=engine, device=device, name=candidate, group_id=group_id, budget=budget
-                )
-            except Invalid as e:
-                if "belongs to live process" not in str(e) or k == _AUTO_SUFFIXES:
-                    raise
-        raise AssertionError("unreachable")
-
-    return make
-
-
-def build_collaborators(
-    *,
-    world_size: int,
-    pp_rank: int,
-    group_id: int,
-    async_sched: bool,
-    defer_physical_release: bool,
-    own_segment: bool,
-    map_fn: Optional[MapFn],
-    unmap_fn: Optional[MapFn],
-    engine: str,
-    device: Optional[str],
-    pool_name: Optional[str],
-    mapper: Optional[Mapper],
-    limits: Optional[LimitsFactory],
-    release_barrier: Any,
-) -> Tuple[Optional[Mapper], Optional[LimitsFactory], Optional[Barrier]]:
-    """Resolves the older convenience arguments into (mapper, limits, release_barrier).
-
-    * mapper: ``mapper``; else ``map_fn``/``unmap_fn``; else the fan-out when
-      ``world_size > 1``; else None (this process maps).
-    * limits: ``limits``; else with ``own_segment`` a record named ``pool_name``
-      for ``engine`` on ``device``; else None.
-    * release_barrier: as given; with AUTO, a device synchronisation when
-      ``async_sched``, no deferred release, this process maps and the device is
-      CUDA (a queued batch may still read a page being unmapped); else None.
-    """
-    if (map_fn is None) != (unmap_fn is None):
-        raise InvalidArgumentError("give both map_fn and unmap_fn, or neither")
-    if mapper is not None and map_fn is not None:
-        raise InvalidArgumentError("give mapper= or map_fn/unmap_fn, not both")
-    if limits is not None and own_segment:
-        raise InvalidArgumentError("give limits= or own_segment=True, not both")
-    if mapper is None and map_fn is not None:
-        mapper = FunctionMapper(map_fn, unmap_fn)
-    if mapper is None and world_size > 1:
-        mapper = fanout_mapper(world_size, pp_rank, group_id)
-    if limits is None and own_segment:
-        if device is None:
-            raise InvalidArgumentError("own_segment needs device= when the data plane is not initialized here")
-        limits = limits_factory(engine=engine, device=device, name=pool_name, group_id=group_id)
-    if release_barrier is AUTO:
-        release_barrier = None
-        if async_sched and not defer_physical_release and mapper is None and str(device).startswith("cuda"):
-            release_barrier = device_sync_barrier(str(device))
-    return mapper, limits, release_barrier
+    if device is None and _C.is_initialized():
+        device = _C.config()["device"]
+    return device
 
 
 def resolve_page_size(page_size: Optional[int], local: bool) -> int:
     """The page size: given, else the data plane's, else ``KVCACHED_PAGE_SIZE``; a
-    manager mapping in this process must use the data plane's."""
+    manager mapping in this process (``local``) must use the data plane's, which
+    must be initialized (ShutdownError)."""
     from kvcached import _C, config
 
+    if local and not _C.is_initialized():
+        raise ShutdownError(
+            "kvcached is not initialized in this process: call init_kvcached(device) "
+            "(kvcached.vmm_ops or the engine interface) before creating a KVCacheManager"
+        )
     if page_size is None:
         page_size = _C.config()["page_size"] if _C.is_initialized() else config.page_size()
     try:
@@ -224,3 +136,27 @@ def check_tensors(group_id: int, num_layers: int, num_kv_buffers: int, mem_size:
             f"{info['buffer_size']} bytes) do not match this manager ({num_layers} layers x {num_kv_buffers} "
             f"buffers of {mem_size} bytes for {what})"
         )
+
+
+def block_geometry(num_blocks: int, block_size: int, cell_size: int, page_size: int) -> BlockGeometry:
+    """Where the blocks lie on pages. A block that cannot sit on a page raises
+    upstream's ``KVCachedConfigError``; blocks that fill pages poorly are
+    logged, naming a page size they would fill well."""
+    from kvcached.utils import KVCachedConfigError
+
+    try:
+        geo = BlockGeometry(num_blocks, block_size, cell_size, page_size)
+    except InvalidArgumentError as e:
+        raise KVCachedConfigError(str(e)) from None  # upstream's type for a block that cannot sit on pages
+    if geo.utilization < GOOD_UTILIZATION:
+        size, used = better_page_size(geo.block_mem_size, page_size)
+        logger.warning(
+            "kvcached: blocks of %d B fill %.0f%% of each %d KiB page (a block straddling a page boundary is "
+            "never used); KVCACHED_PAGE_SIZE=%d would fill %.0f%%",
+            geo.block_mem_size,
+            100 * geo.utilization,
+            page_size >> 10,
+            size,
+            100 * used,
+        )
+    return geo

@@ -1,4 +1,4 @@
-"""PageRelease: what becomes of a page of a KVCacheManager whose last block was freed.
+"""PageRelease: what becomes of a page of a BlockManager whose last block was freed.
 
 One of three things, decided in ``emptied()``:
 

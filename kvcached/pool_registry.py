@@ -1,9 +1,9 @@
 """The live KV pools of this process (upstream's ``kvcached.pool_registry``).
 
-Every ``KVCacheManager`` registers itself when built and leaves at
-``shutdown()``; the registry holds weak references only, so it never keeps a
-pool alive. ``integration`` tags the engine that built it (``vllm``,
-``sglang``; None for a pool built directly). Readers:
+Every ``KVCacheManager`` (``kvcached.compat.upstream_manager``) registers
+itself when built and leaves at ``shutdown()``; the registry holds weak
+references only, so it never keeps a pool alive. ``integration`` tags the
+engine that built it (``vllm``, ``sglang``; None for a pool built directly). Readers:
 ``kvcached.observability`` (snapshots) and ``kvcached.control`` (a process's
 limit split across its pools).
 """

@@ -62,7 +62,7 @@ def _ipc_segment_exists(name: str) -> bool:
 
 def _engine() -> str:
     """The engine kvcached was initialized for in this process, else ``kvcached``."""
-    runtime = sys.modules.get("kvcached.integration.runtime")
+    runtime = sys.modules.get("kvcached.compat.runtime")
     engine = getattr(getattr(runtime, "_state", None), "engine", "") if runtime is not None else ""
     return engine or "kvcached"
 

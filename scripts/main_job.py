@@ -26,10 +26,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Tuple
 
-from kvcached.limits.units import format_size, parse_size
 from kvcached.testing import vllm_server as vs
 from kvcached.testing.record_sampler import RecordSampler
 from kvcached.testing.tiny_model import build_tiny_llama
+from kvcached.units import format_size, parse_size
 
 PAGE = 128 << 10  # small pages so the tiny model's load moves many of them
 MAX_SEQS = 16

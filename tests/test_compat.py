@@ -429,7 +429,7 @@ def engines(monkeypatch):
 
 
 def test_vllm_init_positions(engines):
-    from kvcached.integration import runtime
+    from kvcached.compat import runtime
 
     vi.init_kvcached(0, 1, 0, True, "cpu", True)  # upstream: (tp_rank, world_size, pp_rank, is_worker, device, async)
     st = runtime.state()
@@ -453,7 +453,7 @@ def test_vllm_init_positions(engines):
 
 
 def test_sglang_init_positions(engines):
-    from kvcached.integration import runtime
+    from kvcached.compat import runtime
 
     si.init_kvcached(1, 2, 0, "cpu", False)  # upstream: (tp_rank, world_size, pp_rank, device, async)
     st = runtime.state()

@@ -16,9 +16,10 @@ from kvcached import _C
 from kvcached.block_geometry import BlockGeometry
 from kvcached.block_index import BlockIndex
 from kvcached.block_ledger import OUT, BlockLedger
+from kvcached.compat.manager_args import AUTO, FunctionMapper, build_collaborators
 from kvcached.errors import InvalidArgumentError, StateConsistencyError
 from kvcached.kv_cache_manager import KVCacheManager
-from kvcached.manager_setup import AUTO, FunctionMapper, build_collaborators, limits_factory
+from kvcached.manager_setup import limits_factory
 from manager_helpers import check_invariants
 from vmm_helpers import physical_bytes
 

@@ -221,7 +221,7 @@ DROP_PRIVILEGES = textwrap.dedent(
     # Everything is imported while still root: /root (the interpreter's home) is 0700.
     from kvcached import _C
     from kvcached.cli import kvctl
-    import kvcached.control, kvcached.cli.table, kvcached.limits.units, argparse, locale, gettext
+    import kvcached.control, kvcached.cli.table, kvcached.units, argparse, locale, gettext
     kvctl.build_parser()  # argparse loads its translations lazily
     name = sys.argv[1]
     os.setgroups([])

@@ -28,7 +28,8 @@ PRELUDE = textwrap.dedent(
     from kvcached import _C
     from kvcached.cli import kvctl, table, args
     from kvcached.limits import DeviceBudget, InstanceLimits, list_records
-    from kvcached.limits import budget, owned_record, records, units, user_lock
+    from kvcached.limits import budget, owned_record, records, user_lock
+    from kvcached import units
     import kvcached.control, kvcached.elastic.cleanup, kvcached.ipc.paths, argparse, gettext, locale, secrets, glob
     kvctl.build_parser()  # argparse loads its translations lazily
     uid = int(sys.argv[1])

@@ -847,7 +847,7 @@ def test_bad_configuration_is_refused_while_the_scheduler_is_built_before_any_pa
     from kvcached.integration.vllm import backend
 
     made = []
-    monkeypatch.setattr("kvcached.kv_cache_manager.KVCacheManager", lambda *a, **k: made.append(1))
+    monkeypatch.setattr("kvcached.compat.upstream_manager.KVCacheManager", lambda *a, **k: made.append(1))
     bad = _vllm_config(model_config__enable_sleep_mode=True, model_config__sleep_mode_backend="criu")
     ctx = backend.PoolContext(bad, _kv_config(FullAttentionSpec()))
     with pytest.raises(InvalidArgumentError, match="sleep mode"):

@@ -39,7 +39,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from kvcached.limits.units import format_size
+from kvcached.units import format_size
 
 logger = logging.getLogger("kvcached.borrow")
 

@@ -64,8 +64,8 @@ from kvcached.errors import InvalidArgumentError, OutOfMemoryError, int_arg
 from kvcached.limits.budget import DeviceBudget
 from kvcached.limits.owned_record import create_record
 from kvcached.limits.records import RecordView, parse_device
-from kvcached.limits.units import format_size
 from kvcached.naming import default_instance_name, validate_name
+from kvcached.units import format_size
 
 logger = logging.getLogger("kvcached.borrow")
 

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, bad_input: type) -> int:
     from kvcached.borrowing import reserve
     from kvcached.cli.table import printable
     from kvcached.errors import InvalidArgumentError, OutOfMemoryError
-    from kvcached.limits.units import format_size, parse_size
+    from kvcached.units import format_size, parse_size
 
     command = args.command
     if not command:

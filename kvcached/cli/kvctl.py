@@ -46,7 +46,7 @@ def _print_json(obj: Any) -> None:
 
 
 def _parse_size_arg(text: str) -> int:
-    from kvcached.limits.units import parse_size
+    from kvcached.units import parse_size
 
     try:
         n = parse_size(text)
@@ -102,7 +102,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _set_limit(name: str, limit: int, revision: Optional[int], as_json: bool, wait_s: float) -> int:
     from kvcached.control import APPLIED, DEFERRED, REJECTED, set_instance_memory_limit
     from kvcached.errors import InvalidArgumentError
-    from kvcached.limits.units import format_size
+    from kvcached.units import format_size
 
     try:
         r = set_instance_memory_limit(limit, revision, name=name, wait_s=wait_s)

@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 from kvcached.cli import args as args_mod
 from kvcached.cli.table import device_summaries, percent, printable, problems, record_head, render
 from kvcached.limits.records import RecordView, list_records
-from kvcached.limits.units import format_size
 from kvcached.naming import validate_name
+from kvcached.units import format_size
 
 BAR_WIDTH = 20
 

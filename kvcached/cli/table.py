@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence
 
 from kvcached.limits.budget import WANT_TTL_S
 from kvcached.limits.records import RecordView
-from kvcached.limits.units import format_size
+from kvcached.units import format_size
 
 RECORD_HEADERS = (
     "NAME",

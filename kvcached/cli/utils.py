@@ -15,9 +15,9 @@ import os
 from typing import Dict, List, Optional
 
 from kvcached import _C
-from kvcached.control import validate_limit
 from kvcached.limits.records import RecordView, list_records, read_record
-from kvcached.limits.units import format_size
+from kvcached.limits.writer import validate_limit, write_limit
+from kvcached.units import format_size
 from kvcached.utils import SHM_DIR
 
 
@@ -58,8 +58,7 @@ def update_kv_cache_limit(ipc_name: str, kv_cache_limit: int) -> Optional[Record
     why = validate_limit(kv_cache_limit, RecordView.from_snapshot(tracker.snapshot()))
     if why:
         raise ValueError(why)
-    tracker.set_limit(int(kv_cache_limit))
-    return RecordView.from_snapshot(tracker.snapshot())
+    return RecordView.from_snapshot(write_limit(tracker, int(kv_cache_limit), wait_s=0).snapshot)
 
 
 def list_kv_cache_instances() -> List[RecordView]:

@@ -19,9 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Tuple
 
-from kvcached import _C, vmm_ops
+from kvcached import _C, kv_views, vmm_ops
 from kvcached.errors import InvalidArgumentError
-from kvcached.integration import kv_views
 
 
 def _align(x: int, a: int) -> int:

@@ -1,10 +1,19 @@
-"""The runtime snapshot of an engine interface (``interfaces.observability_snapshot``)."""
+"""The snapshot calls of the engine interfaces (upstream's ``interfaces.observability_snapshot``
+and its three siblings), for either engine."""
 
 from __future__ import annotations
 
+from typing import Any, Dict, List
+
 from kvcached import _C, config
-from kvcached.integration import runtime
-from kvcached.observability import RuntimeSnapshot, build_runtime_snapshot
+from kvcached.compat import runtime
+from kvcached.observability import (
+    KVCachePoolSnapshot,
+    RuntimeSnapshot,
+    build_runtime_snapshot,
+    get_registered_kv_cache_pool_snapshot_dicts,
+    get_registered_kv_cache_pool_snapshots,
+)
 
 
 def runtime_snapshot(engine: str) -> RuntimeSnapshot:
@@ -21,3 +30,25 @@ def runtime_snapshot(engine: str) -> RuntimeSnapshot:
         contiguous_layout=bool(_C.config()["contiguous_layout"]) if _C.is_initialized() else config.contiguous_layout(),
         is_worker=st.is_worker if on else False,
     )
+
+
+class EngineSnapshots:
+    """Upstream's four snapshot calls of one engine's interface (each interface
+    hands on the bound methods of its own instance under these names)."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+
+    def observability_snapshot(self) -> RuntimeSnapshot:
+        """A read-only snapshot of this process's integration state for the engine."""
+        return runtime_snapshot(self.engine)
+
+    def observability_snapshot_dict(self) -> Dict[str, Any]:
+        return self.observability_snapshot().to_dict()
+
+    def kv_cache_pool_snapshots(self) -> List[KVCachePoolSnapshot]:
+        """Read-only snapshots of the engine's live KV pools in this process."""
+        return get_registered_kv_cache_pool_snapshots(integration=self.engine)
+
+    def kv_cache_pool_snapshot_dicts(self) -> List[Dict[str, Any]]:
+        return get_registered_kv_cache_pool_snapshot_dicts(integration=self.engine)

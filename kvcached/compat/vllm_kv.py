@@ -25,9 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from kvcached import _C, vmm_ops
+from kvcached import _C, kv_views, vmm_ops
 from kvcached.errors import InvalidArgumentError
-from kvcached.integration import kv_views
 
 HYBRID = "HYBRID_LINEAR"
 

@@ -52,8 +52,8 @@ from typing import Iterator, List, Optional, Set, Tuple
 from kvcached import _C, config
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits.records import RecordView, device_name, list_records, parse_device
-from kvcached.limits.units import format_size
 from kvcached.limits.user_lock import UserLock
+from kvcached.units import format_size
 
 _LOCK_DIR = "/dev/shm"
 # A published want is current this long: a short instance renews it while its

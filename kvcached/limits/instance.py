@@ -42,9 +42,9 @@ from kvcached.limits.budget import DeviceBudget
 from kvcached.limits.owned_record import create_record, record_trusted
 from kvcached.limits.record_stats import REFUSED_BUDGET, REFUSED_LIMIT, RecordStats
 from kvcached.limits.records import RecordView, parse_device
-from kvcached.limits.units import format_size
 from kvcached.naming import group_name as group_record_name
 from kvcached.naming import instance_name, validate_name
+from kvcached.units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class InstanceLimits:
         self.on_peer_short: Optional[Callable[[], None]] = None
         # Called on the watcher thread, with no lock of this object held, when
         # mapped pages that hold no block must go now: a limit lowered below
-        # what is mapped, or a peer short of budget. The KVCacheManager sets it
+        # what is mapped, or a peer short of budget. The BlockManager sets it
         # to release its parked pages (which the allocator counts as in use).
         self.reclaim_unused: Optional[Callable[[], object]] = None
         self._stopping = False

@@ -21,8 +21,8 @@ from typing import Set, Tuple
 from kvcached import _C
 from kvcached.errors import InvalidArgumentError
 from kvcached.limits.records import SHM_DIR
-from kvcached.limits.units import format_size
 from kvcached.naming import MAX_NAME_LEN
+from kvcached.units import format_size
 
 logger = logging.getLogger("kvcached.limits.instance")
 

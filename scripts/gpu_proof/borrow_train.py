@@ -70,8 +70,8 @@ from three_models import burst  # noqa: E402
 
 from kvcached.borrowing import reserve, torch_alloc_retry  # noqa: E402
 from kvcached.limits.budget import DeviceBudget  # noqa: E402
-from kvcached.limits.units import format_size, parse_size  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler, Sample  # noqa: E402
+from kvcached.units import format_size, parse_size  # noqa: E402
 
 JOB_MARK = "@@borrow-job "  # the job's protocol lines on its stdout
 FILL = 0.85  # a step's peak as a share of J: the rest absorbs the allocator's rounding

@@ -266,7 +266,7 @@ def main(argv: List[str] | None = None) -> int:
     write_json(pf, {"prompts": prompts, "outs": outs})
     kv = a.kv or ("256M" if a.cpu else "12G")
     limit = a.limit or ("24M" if a.cpu else "4G")
-    from kvcached.limits.units import parse_size
+    from kvcached.units import parse_size
 
     tag = os.getpid()
     #        label            kvcached  batch-invariant  limit  KV capacity

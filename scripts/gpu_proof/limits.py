@@ -28,10 +28,10 @@ from typing import Callable, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import GIB, kvctl, log, start_server, start_sglang_server, wait_all, write_json  # noqa: E402
 
-from kvcached.limits.units import format_size  # noqa: E402
 from kvcached.testing import sglang_server as ss  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler  # noqa: E402
+from kvcached.units import format_size  # noqa: E402
 
 Complete = Callable[[vs.Server, List[int], int, float], List[int]]
 

@@ -38,10 +38,10 @@ from common import (  # noqa: E402
 )
 from three_models import burst, give_back_time, plot  # noqa: E402
 
-from kvcached.limits.units import format_size, parse_size  # noqa: E402
 from kvcached.testing import sglang_server as ss  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler  # noqa: E402
+from kvcached.units import format_size, parse_size  # noqa: E402
 
 ORDER = ("vllm", "sglang", "vllm", "sglang")
 

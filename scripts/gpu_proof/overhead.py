@@ -34,8 +34,8 @@ from common import log, start_server, start_sglang_server, wait_all, write_json 
 from limits import check_limit, sglang_complete  # noqa: E402
 
 from kvcached.bench.engine_view import COLUMNS, scrape, view  # noqa: E402
-from kvcached.limits.units import parse_size  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
+from kvcached.units import parse_size  # noqa: E402
 
 # `vllm bench serve` itself (its CLI wrapper needs the `vllm` distribution name,
 # which the CPU wheel does not have).

@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_engine_args, base_args, log, percentile, sglang_args, sglang_pythonpath, write_json  # noqa: E402
 from three_models import burst  # noqa: E402
 
-from kvcached.limits.units import format_size, parse_size  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler  # noqa: E402
+from kvcached.units import format_size, parse_size  # noqa: E402
 
 DEFAULT_MODELS = "A=vllm:kv,B=vllm:kv,C=vllm:stop"
 DEFAULT_ORDER = ("A", "B", "C", "A", "C")

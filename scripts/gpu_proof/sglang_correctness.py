@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import GIB, kv_token_bytes, kvctl, log, start_sglang_server, write_json  # noqa: E402
 from correctness import compare, make_prompts  # noqa: E402
 
-from kvcached.limits.units import parse_size  # noqa: E402
 from kvcached.testing import sglang_server as ss  # noqa: E402
+from kvcached.units import parse_size  # noqa: E402
 
 #          label            kvcached  deterministic  limited  small pool
 ENGINES = [

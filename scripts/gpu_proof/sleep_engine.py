@@ -50,9 +50,9 @@ from typing import Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import GIB, base_args, log, percentile, sglang_args, sglang_pythonpath, write_json  # noqa: E402
 
-from kvcached.limits.units import format_size, parse_size  # noqa: E402
 from kvcached.router.supervisor import free_port  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
+from kvcached.units import format_size, parse_size  # noqa: E402
 
 SLEEP_FLAG = {"vllm": "--enable-sleep-mode", "sglang": "--enable-memory-saver"}
 PROCESS_HOST_BYTES = 3 * GIB  # what one engine process holds in host memory besides offloaded weights

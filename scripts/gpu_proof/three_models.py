@@ -26,9 +26,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import budget_env, log, percentile, start_server, wait_all, write_json  # noqa: E402
 
-from kvcached.limits.units import format_size, parse_size  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler  # noqa: E402
+from kvcached.units import format_size, parse_size  # noqa: E402
 
 Stream = Callable[..., Tuple[float, float, int]]
 

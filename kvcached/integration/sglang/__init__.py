@@ -1,6 +1,6 @@
 """kvcached for SGLang (0.5.15-0.5.23).
 
-``interfaces``       the upstream kvcached API (init, buffers, manager); no SGLang import
+``interfaces``       upstream's import path of the API in ``kvcached.compat.sglang_interfaces``
 ``plugin``           entry points: ``sglang.srt.plugins`` and the autopatch activator
 ``patches``          the patches, one per seam, each with its SGLang version range
 ``pool``             elastic MHA/MLA pools over kvcached FTensors

@@ -36,9 +36,8 @@ from sglang.srt.mem_cache import memory_pool as _memory_pool
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from sglang.srt.mem_cache.memory_pool import MambaPool
 
-from kvcached import _C, vmm_ops
+from kvcached import _C, kv_views, vmm_ops
 from kvcached.compat.sglang_mamba import StateLayout, smallest_divisor_at_least
-from kvcached.integration import kv_views
 from kvcached.integration.sglang import conflicts
 from kvcached.integration.sglang import pool as _pool
 

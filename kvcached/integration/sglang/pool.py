@@ -36,13 +36,13 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from kvcached import _C, naming
 from kvcached.block_geometry import page_size_for_block
+from kvcached.compat import runtime, sglang_interfaces
+from kvcached.compat.upstream_manager import KVCacheManager
 from kvcached.devices import normalize_device
 from kvcached.elastic import ElasticInstance, ElasticPool
 from kvcached.errors import InvalidArgumentError
-from kvcached.integration import runtime
 from kvcached.integration.patch_base import manager_of
-from kvcached.integration.sglang import conflicts, interfaces
-from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.integration.sglang import conflicts
 
 logger = logging.getLogger("kvcached.integration.sglang")
 
@@ -154,7 +154,7 @@ def shutdown_all() -> None:
         if _instance is not None:
             _instance.close()
             _instance = None
-    interfaces.shutdown_kvcached()
+    sglang_interfaces.shutdown_kvcached()
 
 
 def _device_str(device: Any) -> str:
@@ -220,7 +220,7 @@ def start_group(device: Any, largest_entry: int = 0) -> Tuple[str, Tuple[int, in
     dev = _device_str(device)
     tp_rank, tp_size, pp_rank = ranks = _parallel_ranks()
     page = page_size_for_block(int(largest_entry))
-    interfaces.init_kvcached(tp_rank, tp_size, is_worker=True, device=dev, pp_rank=pp_rank, page_size=page)
+    sglang_interfaces.init_kvcached(tp_rank, tp_size, is_worker=True, device=dev, pp_rank=pp_rank, page_size=page)
     return dev, ranks
 
 
@@ -300,7 +300,7 @@ def create_group(pool: Any, *, rows: int, heads: int, dim: int, kv: int) -> Elas
     t_rows = buffer_rows(rows, ps, row_bytes, int(cfg["page_size"]))
 
     def views(gid: int) -> Tuple[List[Any], List[Any]]:
-        out = interfaces.alloc_kv_cache(
+        out = sglang_interfaces.alloc_kv_cache(
             (t_rows, heads, dim),
             pool.store_dtype,
             device,

@@ -1,2 +1,3 @@
-"""kvcached for vLLM. ``interfaces`` is the API the vLLM adapter (and code
-written against upstream kvcached) calls; importing it does not import vLLM."""
+"""kvcached for vLLM. ``interfaces`` is upstream's import path of the API in
+``kvcached.compat.vllm_interfaces`` (code written against upstream kvcached
+calls it); importing it does not import vLLM."""

@@ -118,10 +118,10 @@ class VllmBackend:
 
     @classmethod
     def create(cls, ctx: PoolContext, num_blocks: int) -> VllmBackend:
+        from kvcached.compat.upstream_manager import KVCacheManager
         from kvcached.integration.patch_base import summary_of
         from kvcached.integration.vllm.kv_layout import KVLayoutPlan
         from kvcached.ipc.coordinator import TPCoordinator
-        from kvcached.kv_cache_manager import KVCacheManager
         from kvcached.manager_setup import limits_factory
 
         vc = ctx.vllm_config

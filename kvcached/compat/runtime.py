@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from kvcached import _C, config, vmm_ops
+from kvcached.compat.manager_args import AUTO, auto_record, build_collaborators
+from kvcached.compat.upstream_manager import KVCacheManager
 from kvcached.devices import normalize_device
 from kvcached.errors import InvalidArgumentError, ShutdownError
-from kvcached.kv_cache_manager import KVCacheManager
-from kvcached.manager_setup import AUTO, build_collaborators
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,12 @@ def make_manager(
     world_size: int,
     **kwargs,
 ) -> KVCacheManager:
-    """A KVCacheManager checked against the group's tensors and closed at shutdown()."""
+    """A KVCacheManager checked against the group's tensors and closed at shutdown().
+
+    ``own_segment=None`` (the interfaces' default) gives the manager upstream's
+    always-present record, in the device budget as the engines' pools; True a
+    record named ``pool_name``; False (default here) none.
+    """
     st = _state
     if num_kv_buffers is None:
         rec = _groups.get(group_id)
@@ -182,20 +187,24 @@ def make_manager(
     # through the worker fan-out), which record admits them and what must
     # happen before one is unmapped.
     defer = bool(kwargs.pop("defer_physical_release", False))
+    own_segment = kwargs.pop("own_segment", False)
+    limits = kwargs.pop("limits", None)
+    if own_segment is None and limits is None:
+        limits = auto_record(engine=st.engine, device=st.device, group_id=int(group_id), budget="env")
     mapper, limits, barrier = build_collaborators(
         world_size=world_size,
         pp_rank=st.pp_rank,
         group_id=group_id,
         async_sched=st.async_sched,
         defer_physical_release=defer,
-        own_segment=bool(kwargs.pop("own_segment", False)),
+        own_segment=bool(own_segment),
         map_fn=kwargs.pop("map_fn", None),
         unmap_fn=kwargs.pop("unmap_fn", None),
         engine=st.engine,
         device=st.device,
         pool_name=kwargs.get("pool_name"),
         mapper=kwargs.pop("mapper", None),
-        limits=kwargs.pop("limits", None),
+        limits=limits,
         release_barrier=kwargs.pop("release_barrier", AUTO),
     )
     m = KVCacheManager(

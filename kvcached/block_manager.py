@@ -1,0 +1,486 @@
+"""BlockManager: the block ledger of one KV cache over elastic kvcached pages.
+
+The engine asks for blocks (vLLM) or token slots (SGLang) by id; this class
+hands out ids whose memory is mapped, and returns a page's physical memory
+when its last block is freed. It maps nothing itself: this process's data
+plane does, or the ``mapper`` it is handed. Its parts: ``block_ledger.py``
+(the state of every id), ``block_index.py`` (free blocks by held page:
+placement), ``page_supply.py`` (fresh pages: the C++ ``PageAllocator``, the
+limits that admit them, what can be mapped now), ``page_release.py`` (emptied
+pages: retired, parked or released), ``block_report.py`` (counters and
+invariants). What it is handed is ``manager_setup.py``'s. Upstream's
+``KVCacheManager`` is this class in upstream's constructor, with its limit and
+snapshot calls (``kvcached.compat.upstream_manager``).
+
+Contract (the model is vLLM's ``BlockPool``):
+
+* ``alloc(n)`` returns exactly ``n`` distinct ids whose pages are mapped in
+  every layer and K/V buffer, or ``None`` when memory is short, with nothing
+  changed. Ids already reserved by ``try_to_reserve`` are used first. Then,
+  so that one request's blocks share pages: if held pages have enough free
+  blocks, the smallest page that fits the whole run, else the page with the
+  most free blocks, repeatedly; if not, the fewest fresh pages that make up
+  the shortfall are mapped and take as much of the run as they hold, the
+  remainder going to held pages as above. Fresh pages are acquired before any
+  id is taken, so a failure (pressure, or a map error injected anywhere)
+  leaves the ledger exactly as it was. Only ``OutOfMemoryError`` becomes
+  ``None``; any other data-plane error is raised after the same rollback,
+  because a driver fault or a broken layout must not look like a full pool.
+* ``free(ids)`` validates every id first (never allocated, freed twice, the
+  null block, a reserved id: ``InvalidArgumentError``, nothing changed), then
+  returns them. A page whose last block is freed is retired (with
+  ``defer_physical_release``: mapped and reusable until
+  ``release_retired_pages_through(marker)`` passes a marker captured after it
+  emptied, the engine's proof that no queued batch can still read it), parked
+  (up to ``MAX_PARKED_PAGES`` for one to two ``empty_page_grace_s``, so a lone
+  request freeing and allocating again needs no C++ call; ``release_parked()``,
+  ``trim()`` and a limit lowered below what is mapped end the grace at once)
+  or released to the page allocator: ``page_release.py``. Parked blocks are
+  free blocks on held pages (``available_size``, ``stats()``).
+* ``available_size()`` is what ``alloc`` would give right now: reserved ids,
+  free blocks on held pages, and blocks on pages that can be mapped now
+  (within the resize target, the memory limit and the device's free memory),
+  counting the emptiest pages that could be handed out. It never promises a
+  block that cannot be mapped, and it is a snapshot: another process may take
+  the memory before the next ``alloc``, which then returns ``None``.
+
+All public methods are thread-safe (one lock). The allocation fast path
+(a held page has a free block) is pure Python: no call into C++.
+``check_invariants()`` verifies the whole state (tests call it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import threading
+import weakref
+from typing import Any, Dict, Iterable, List, Optional
+
+from kvcached import _C, block_report, config, naming
+from kvcached.block_index import BlockIndex
+from kvcached.block_ledger import FREE, OUT, RESERVED, BlockLedger
+from kvcached.errors import InvalidArgumentError, OutOfMemoryError, ShutdownError, int_arg
+from kvcached.manager_setup import (
+    Barrier,
+    LimitsFactory,
+    Mapper,
+    block_geometry,
+    check_tensors,
+    default_device,
+    resolve_page_size,
+)
+from kvcached.page_release import PageRelease
+from kvcached.page_supply import PageSupply
+from kvcached.utils import configure_logging
+
+logger = logging.getLogger(__name__)
+
+# An emptied page stays held for one to two of these (seconds) before it goes
+# back to the page allocator: well under a second, and long enough that a lone
+# request freeing and allocating its only block never goes through C++.
+EMPTY_PAGE_GRACE_S = 0.25
+# At most this many emptied pages are parked at a time (the rest go at once).
+MAX_PARKED_PAGES = 4
+
+
+class BlockManager:
+    """The block ledger of one KV cache (one KV group) over kvcached pages.
+
+    Args:
+        num_blocks: engine block ids are ``0 .. num_blocks - 1``.
+        block_size: tokens per block.
+        cell_size: bytes of one token in one K (or V) buffer of one layer.
+        num_layers: layers whose buffers are mapped together.
+        num_kv_buffers: 2 for separate K and V, 1 for MLA / packed KV.
+        group_id: the KV tensor group (hybrid models have several).
+        reserve_null_block: hold block 0 forever (SGLang's padding slot, vLLM's
+            null block); it is mapped as soon as the KV tensors exist.
+        defer_physical_release: keep emptied pages mapped until
+            ``release_retired_pages_through`` passes a marker captured after
+            they emptied.
+        pool_name: name of this pool; default: its record's name, else
+            ``kvcached.naming``'s name of the instance (``_g<group>`` for group > 0).
+        page_size: bytes per page (default: the data plane's, else ``KVCACHED_PAGE_SIZE``).
+        engine: the pool's engine tag (its default name).
+        device: the pages' device (default: this process's data plane's).
+        mapper: maps/unmaps page offsets in every process holding the tensors,
+            all or nothing (``manager_setup.Mapper``, e.g. a ``TPCoordinator``);
+            None: this process's data plane.
+        limits: called once with this manager's PageAllocator before anything
+            is mapped; returns the attached ``InstanceLimits`` that admits every
+            fresh page (``manager_setup.limits_factory``); None: no record.
+        release_barrier: called before empty pages are handed back, e.g.
+            ``manager_setup.device_sync_barrier(device)``; None: none. It runs
+            under the manager's lock (also on the grace thread), so it must not
+            call the manager.
+        empty_page_grace_s: the grace of parked pages; 0 disables parking.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        cell_size: int,
+        num_layers: int,
+        *,
+        num_kv_buffers: int = 2,
+        group_id: int = 0,
+        reserve_null_block: bool = False,
+        defer_physical_release: bool = False,
+        pool_name: Optional[str] = None,
+        page_size: Optional[int] = None,
+        engine: str = "kvcached",
+        device: Optional[str] = None,
+        mapper: Optional[Mapper] = None,
+        limits: Optional[LimitsFactory] = None,
+        release_barrier: Optional[Barrier] = None,
+        empty_page_grace_s: float = EMPTY_PAGE_GRACE_S,
+    ) -> None:
+        configure_logging()
+        self.num_layers = int_arg("num_layers", num_layers, minimum=1)
+        self.num_kv_buffers = int_arg("num_kv_buffers", num_kv_buffers, minimum=1)
+        self.group_id = operator.index(group_id)
+        self.reserve_null_block = bool(reserve_null_block)
+        self.defer_physical_release = bool(defer_physical_release)
+        device = default_device(device)
+        self.mapper = mapper
+        self._local = mapper is None
+        page_size = resolve_page_size(page_size, self._local)  # ShutdownError without a data plane here
+        grace = float(empty_page_grace_s)
+        if not 0 <= grace < math.inf:
+            raise InvalidArgumentError(f"empty_page_grace_s must be a finite number >= 0, got {empty_page_grace_s!r}")
+
+        self.geometry = geo = block_geometry(num_blocks, block_size, cell_size, page_size)
+        self.num_blocks = geo.num_blocks
+        self.block_size = geo.block_size
+        self.cell_size = geo.cell_size
+        self.block_mem_size = geo.block_mem_size
+        self.page_size = geo.page_size
+        # Bytes of one K (or V) buffer of one layer that this manager may map.
+        self.mem_size = geo.num_pages * page_size
+
+        self._supply = PageSupply(
+            geo, self.mem_size, self.num_layers, self.num_kv_buffers, self.group_id, mapper, device
+        )
+        self.page_allocator = self._supply.allocator
+        self.bytes_per_page = self._supply.bytes_per_page
+
+        self._lock = threading.Lock()
+        self._ledger = BlockLedger(geo.num_blocks)
+        self._index = BlockIndex(geo)
+        self._release = PageRelease(
+            self._index, self.page_allocator, self._lock, defer=self.defer_physical_release, grace_s=grace,
+            max_parked=MAX_PARKED_PAGES, barrier=release_barrier, name=f"g{self.group_id}",
+        )  # fmt: skip
+        # The fast paths' handles on the ledger and the index (bound once: a
+        # pair of alloc(1)+free(1) is ~10 attribute loads, each one counts).
+        self._states = self._ledger.states
+        self._take_one = self._index.take_one
+        self._put_one = self._index.put_one
+        self.null_block: Optional[List[int]] = None
+        self._null_pending = self.reserve_null_block
+        self._started = False
+        self._closed = False
+
+        # The name given, else its record's (kvcached.naming), also when it has none.
+        self.pool_name = pool_name or naming.group_name(naming.instance_name(engine), self.group_id)
+        # The pool's record and limit enforcement (before anything is mapped).
+        self.limits = None
+        if limits is not None:
+            self.limits = self._release.limits = self._supply.attach_limits(limits)
+            self.pool_name = pool_name or self.limits.name
+            # A lowered limit (or a peer short of budget) takes parked pages at once.
+            ref = weakref.WeakMethod(self._reclaim_for_limits)
+            self.limits.reclaim_unused = lambda: (ref() or int)()
+        if not self._local or _C.kv_tensors_created(self.group_id):
+            try:
+                with self._lock:
+                    self._start()
+            except BaseException:
+                self.shutdown()  # the record and the threads go with the failed construction
+                raise
+        if config.sanity_check():
+            block_report.check_after_every_change(self)
+        logger.debug(
+            "KVCacheManager %s: %r, %d layers x %d buffers", self.pool_name, geo, self.num_layers, self.num_kv_buffers
+        )
+
+    def _start(self) -> None:
+        """Checks the tensors, takes the null block, starts pre-mapping (once)."""
+        if self._started:
+            return
+        if self._local:
+            what = f"{self.num_blocks} blocks of {self.block_mem_size} bytes"
+            check_tensors(self.group_id, self.num_layers, self.num_kv_buffers, self.mem_size, what)
+        if self._null_pending:
+            if not self._supply.take_page_zero():
+                return  # retried before the next page is acquired
+            self._ledger.hold_null(self._index)
+            self.null_block = [0]
+            self._null_pending = False
+        if self._supply.want_prealloc:
+            self.page_allocator.start_prealloc_thread()
+        self._started = True
+
+    # ------------------------------------------------------------- alloc / free
+
+    def alloc(self, need_size: int) -> Optional[List[int]]:
+        """Returns ``need_size`` block ids, or None (nothing changed) when short.
+
+        Raises InvalidArgumentError for a size below 1, ShutdownError after
+        shutdown(), and other data-plane errors (after a full rollback).
+        """
+        with self._lock:
+            if need_size.__class__ is int and need_size == 1 and not self._ledger.reserved:
+                # Fast path: one block from the fullest page that has a free one.
+                b = self._take_one()
+                if b >= 0:
+                    self._states[b] = OUT
+                    return [b]
+            return self._alloc(need_size)
+
+    def _alloc(self, need_size: int) -> Optional[List[int]]:
+        n = int_arg("need_size", need_size, minimum=1)
+        self._check_open()
+        if not self._started:
+            self._start()  # may take the null block: before counting free blocks
+        index, ledger = self._index, self._ledger
+        from_reserved = min(n, len(ledger.reserved))
+        rest = n - from_reserved
+        fresh: List[int] = []
+        if rest > index.nfree:
+            try:
+                fresh = self._acquire(rest - index.nfree)
+            except OutOfMemoryError:
+                return None
+        # Nothing below can fail: the ledger changes only now.
+        out = ledger.take_reserved(from_reserved)
+        if rest:
+            taken = index.take_run(rest, fresh)
+            ledger.mark(taken, OUT)
+            out.extend(taken)
+        return out
+
+    def _acquire(self, need_blocks: int) -> List[int]:
+        """Maps enough fresh pages for ``need_blocks`` blocks, all or none (``PageSupply.acquire``)."""
+        self._start()
+        if self._null_pending:
+            raise OutOfMemoryError("no page can be mapped for the null block")
+        return self._supply.acquire(need_blocks, self._index.caps)
+
+    def free(self, indices: Iterable[int]) -> None:
+        """Returns block ids to the pool (``indices``: upstream's name).
+
+        Every id must be currently allocated (by alloc) and appear once;
+        otherwise InvalidArgumentError is raised and nothing changes.
+        """
+        with self._lock:
+            if indices.__class__ is list and len(indices) == 1:
+                b = indices[0]
+                states = self._states
+                if b.__class__ is int and 0 <= b < self.num_blocks and states[b] == OUT:
+                    states[b] = FREE
+                    page = self._put_one(b)
+                    if page is not None:
+                        self._release.emptied_one(page)  # retired, parked or released
+                    return
+            self._check_open()
+            self._return(self._ledger.validate_free(indices))
+
+    def _return(self, ids: List[int]) -> None:
+        """Puts ledger-freed ids back on their pages and settles emptied pages."""
+        emptied = self._index.put(ids)
+        if emptied:
+            self._release.emptied(emptied)
+
+    # ----------------------------------------------------------- reservation
+
+    def try_to_reserve(self, need_size: int) -> bool:
+        """Ensures at least ``need_size`` blocks are set aside for the next alloc calls.
+
+        Returns False, with nothing changed, when they cannot be had now.
+        Reserved blocks count in available_size() and are handed out first.
+        """
+        with self._lock:
+            n = int_arg("need_size", need_size, minimum=1)
+            self._check_open()
+            ledger = self._ledger
+            kept = ledger.reserved
+            more = n - len(kept)
+            if more <= 0:
+                return True
+            ledger.reserved = []  # so that _alloc takes fresh blocks only
+            try:
+                got = self._alloc(more)
+            finally:
+                ledger.reserved = kept
+            if got is None:
+                return False
+            ledger.mark(got, RESERVED)
+            kept.extend(got)
+            return True
+
+    def free_reserved(self) -> None:
+        """Returns every block set aside by try_to_reserve."""
+        with self._lock:
+            self._check_open()
+            ids = self._ledger.release_reserved()
+            if ids:
+                self._return(ids)
+
+    # -------------------------------------------------------------- capacity
+
+    def available_size(self) -> int:
+        """Blocks that alloc would hand out right now (a snapshot, see the module doc)."""
+        with self._lock:
+            if self._closed:
+                return 0
+            n = len(self._ledger.reserved) + self._index.nfree + self._mappable_blocks()
+            return n - 1 if self._null_pending and n else n
+
+    def _mappable_blocks(self) -> int:
+        """Blocks on the pages an allocation could map now (the caller holds the lock)."""
+        return self._index.mappable_blocks(self._supply.mappable_pages(self._release.version))
+
+    def logical_free_size(self) -> int:
+        """Blocks not handed out within the resize target, ignoring memory limits.
+
+        This is the engine's logical view (what a leak check compares to
+        the pool size at idle); available_size() is what can be had now.
+        """
+        with self._lock:
+            if self._closed:
+                return 0
+            n = len(self._ledger.reserved) + self._index.nfree + self._index.unheld_blocks()
+            return n - 1 if self._null_pending and n else n
+
+    # ------------------------------------------------------------- pages
+
+    def trim(self) -> int:
+        """Releases parked pages, then unmaps every page of the mapped reserve; returns how many it unmapped.
+
+        Pages holding live blocks, and emptied pages waiting for a release
+        marker, stay mapped. A running pre-map thread refills the reserve to
+        its minimum.
+        """
+        with self._lock:
+            self._check_open()
+            self._release.release_parked()
+            self._supply.changed()
+            return self.page_allocator.trim()
+
+    def release_parked(self) -> int:
+        """Releases every parked page now (idle give-back, limit enforcement) to the
+        page allocator, like any emptied page; returns how many."""
+        with self._lock:
+            return 0 if self._closed else self._release.release_parked()
+
+    def _reclaim_for_limits(self) -> int:
+        """InstanceLimits.reclaim_unused (its watcher thread, no limits lock held)."""
+        with self._lock:
+            return 0 if self._closed else self._release.reclaim()
+
+    def clear(self) -> None:
+        """Frees every allocated and reserved block (not the null block)."""
+        with self._lock:
+            self._check_open()
+            ids = self._ledger.free_all_on(self._index)
+            if ids:
+                self._return(ids)
+
+    # ------------------------------------------------------ deferred release
+
+    def capture_physical_release_marker(self) -> int:
+        """Returns a marker covering every page emptied so far.
+
+        Pages emptied after this call get a later epoch. Once every batch
+        submitted before the call has finished on every worker, pass the
+        marker to release_retired_pages_through.
+        """
+        with self._lock:
+            return self._release.capture_marker()
+
+    def release_retired_pages_through(self, marker: int) -> int:
+        """Releases emptied pages retired at or before ``marker``; returns how many.
+
+        A retired page that was reused since is kept; if it empties again it
+        waits for a later marker.
+        """
+        with self._lock:
+            self._check_open()
+            return self._release.release_through(operator.index(marker))
+
+    # ------------------------------------------------------------- reporting
+
+    def get_page_occupancy(self, page_ids: Optional[Iterable[int]] = None) -> Dict[int, int]:
+        """Live blocks (allocated, reserved or null) per page; all held pages when page_ids is None."""
+        with self._lock:
+            return self._index.occupancy(page_ids)
+
+    def get_page_id(self, block_id: int) -> int:
+        """The page holding ``block_id``."""
+        b = operator.index(block_id)
+        if not self.geometry.is_usable(b):
+            raise InvalidArgumentError(f"block id {b} is not a usable block of this pool")
+        return self.geometry.page_of(b)
+
+    def stats(self) -> Dict[str, int]:
+        """Counters for tests, kvtop and debugging, of one instant (``block_report.stats``)."""
+        with self._lock:
+            return block_report.stats(self._index, self._ledger, self._release, self.page_allocator)
+
+    def snapshot(self) -> Dict[str, Any]:
+        """A deep copy of the ledger for tests and debugging (``block_report.snapshot``)."""
+        with self._lock:
+            return block_report.snapshot(self._index, self._ledger, self._release, self.page_allocator)
+
+    def check_invariants(self) -> None:
+        """Verifies the whole state; raises StateConsistencyError naming the broken
+        invariant (``block_report.check``). A no-op after shutdown."""
+        with self._lock:
+            if not self._closed:
+                block_report.check(self, self._index, self._ledger, self._release, self.page_allocator)
+
+    # -------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Stops pre-mapping and the grace thread, returns every page and the
+        reserve, closes the limits (removes the record).
+
+        Blocks still allocated are dropped (their tensors read the zero page).
+        Later calls raise ShutdownError, except shutdown() itself.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pa = self.page_allocator
+            try:
+                pa.stop_prealloc_thread()
+                self._release.close()
+                self._ledger.reset()  # stale ids then fail validation and reach the ShutdownError check
+                pids = self._index.clear()
+                if pids:
+                    pa.free_pages(pids)
+                pa.trim()
+            finally:
+                limits = self.limits
+        # Outside the lock: the limits watcher and the grace thread may be
+        # waiting for it (they then see _closed and end).
+        try:
+            if limits is not None:
+                limits.close()
+        finally:
+            self._release.stop()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShutdownError(f"KVCacheManager {self.pool_name} was shut down")
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.pool_name}: {self.num_blocks} blocks x {self.block_mem_size} B, "
+            f"{self.num_layers} layers x {self.num_kv_buffers} buffers, page {self.page_size} B)"
+        )

@@ -1,0 +1,130 @@
+"""PageSupply: where the fresh pages of a BlockManager come from.
+
+It builds the group's C++ ``PageAllocator`` (the mapped reserve's bounds from
+``KVCACHED_MIN/MAX_RESERVED_PAGES``, pre-mapping where this process maps),
+holds the pool's limits (the ``InstanceLimits`` whose device budget admits
+every fresh page) and answers two questions for the manager:
+
+* ``acquire(n)``: fresh pages for ``n`` blocks, all or none; the budget admits
+  them before the allocator maps them, and a failure anywhere returns the
+  pages taken so far (``OutOfMemoryError`` when memory is short).
+* ``mappable_pages(version)``: how many pages an allocation could get now
+  (the reserve, the resize target, the limit, the device's free memory). The
+  answer is reused until this supply maps (``changed()``), the caller's
+  release ``version`` moves, or ``KVCACHED_CAPACITY_TTL_MS`` passes: it is
+  asked on every scheduling step, and asking the data plane costs a call.
+
+The manager's emptied pages go the other way (``page_release.py``). Every
+method runs under the manager's lock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, List, Optional
+
+from kvcached import _C, config
+from kvcached.block_geometry import BlockGeometry
+from kvcached.errors import InvalidArgumentError, OutOfMemoryError
+from kvcached.manager_setup import Mapper, reserve_bounds
+
+
+class PageSupply:
+    """The PageAllocator of one KV group, its limits and its fresh-page capacity.
+
+    ``allocator`` maps through ``mapper`` (None: this process's data plane,
+    ``local``), ``num_layers`` x ``num_kv_buffers`` buffers of ``mem_size``
+    bytes in ``geometry``'s pages on ``device``.
+    """
+
+    def __init__(
+        self,
+        geometry: BlockGeometry,
+        mem_size: int,
+        num_layers: int,
+        num_kv_buffers: int,
+        group_id: int,
+        mapper: Optional[Mapper],
+        device: Optional[str],
+    ) -> None:
+        self.local = mapper is None
+        self._device = device
+        min_res, max_res = reserve_bounds()
+        # Pre-mapping starts only after the null block took page 0 (the free set
+        # hands out the lowest id first; a pre-mapped reserve would not).
+        self.want_prealloc = self.local and config.page_prealloc_enabled() and min_res > 0
+        self.allocator = _C.PageAllocator(
+            num_layers, mem_size, geometry.page_size, num_kv_buffers, group_id, min_res, max_res, False,
+            None if mapper is None else mapper.map, None if mapper is None else mapper.unmap,
+        )  # fmt: skip
+        self.bytes_per_page = self.allocator.bytes_per_page
+        self.per_page = geometry.max_blocks_per_page
+        self.limits: Any = None
+        self._ttl = config.capacity_ttl_s()
+        self._stamp = -math.inf
+        self._version = 0
+        self._pages = 0
+
+    def attach_limits(self, factory: Callable[[Any], Any]) -> Any:
+        """Builds the pool's limits with ``factory(allocator)`` (before anything is mapped); returns them."""
+        self.limits = factory(self.allocator)
+        return self.limits
+
+    def take(self, n_pages: int) -> List[int]:
+        """``n_pages`` fresh page ids, admitted by the budget first; OutOfMemoryError when short."""
+        if self.limits is not None:
+            self.limits.admit_pages(n_pages)  # device budget; OutOfMemoryError when short
+        return self.allocator.alloc_pages(n_pages)
+
+    def take_page_zero(self) -> bool:
+        """Page 0, the null block's: True when taken, False when memory is short (ask again later)."""
+        try:
+            pids = self.take(1)
+        except OutOfMemoryError:
+            return False
+        if pids[0] != 0:
+            self.allocator.free_pages(pids)
+            raise InvalidArgumentError(f"the null block needs page 0 first, but the page allocator gave page {pids[0]}")
+        return True
+
+    def acquire(self, need_blocks: int, caps: List[int]) -> List[int]:
+        """Maps enough fresh pages for ``need_blocks`` blocks (``caps``: blocks per page id), all or none."""
+        pids: List[int] = []
+        got = 0
+        self._stamp = -math.inf
+        try:
+            while got < need_blocks:
+                new = self.take(-(-(need_blocks - got) // self.per_page))
+                pids.extend(new)
+                for pid in new:
+                    got += caps[pid]
+        except BaseException:
+            if pids:
+                self.allocator.free_pages(pids)  # still empty: back to the reserve (or unmapped) as after a free
+            raise
+        return pids
+
+    def changed(self) -> None:
+        """What can be mapped changed here (a map, a cap, a target): the next count asks the data plane."""
+        self._stamp = -math.inf
+
+    def mappable_pages(self, version: int) -> int:
+        """Pages an allocation could get from the data plane now: reserve, target, limit, device."""
+        now = time.monotonic()
+        if now - self._stamp <= self._ttl and self._version == version:
+            return self._pages
+        self._version = version
+        pa = self.allocator
+        pages = self.limits.num_free_pages() if self.limits is not None else pa.get_num_free_pages()
+        if self.local and pages:
+            reserved = pa.get_num_reserved_pages()
+            fresh = pages - reserved
+            if fresh > 0:
+                pages = reserved + min(fresh, self.device_free_pages())
+        self._stamp, self._pages = now, pages
+        return pages
+
+    def device_free_pages(self) -> int:
+        """Pages the device's free memory could hold now (this process maps)."""
+        return int(_C.backend_info(self._device)["free_bytes"]) // self.bytes_per_page
