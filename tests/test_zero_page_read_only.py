@@ -16,7 +16,6 @@ import textwrap
 import pytest
 
 PAGE = 64 << 10
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def prelude(device: str, page: int) -> str:
@@ -31,8 +30,7 @@ sync = torch.cuda.synchronize if "{dev}" != "cpu" else (lambda: None)
 
 
 def run(body: str, zero_page: str | None, device: str = "cpu", page: int = PAGE) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("KVCACHED_ZERO_PAGE", None)
+    env = {k: v for k, v in os.environ.items() if k != "KVCACHED_ZERO_PAGE"}  # kvcached as this process has it
     if zero_page is not None:
         env["KVCACHED_ZERO_PAGE"] = zero_page
     code = prelude(device, page) + textwrap.dedent(body)
