@@ -358,6 +358,12 @@ class BlockManager:
 
     # ------------------------------------------------------------- pages
 
+    def capacity_changed(self) -> None:
+        """What can be mapped changed outside this manager (its cap, by a sleep or a wake):
+        the next ``available_size`` asks the data plane instead of reusing its last count."""
+        with self._lock:
+            self._supply.changed()
+
     def trim(self) -> int:
         """Releases parked pages, then unmaps every page of the mapped reserve; returns how many it unmapped.
 

@@ -118,3 +118,4 @@ class ElasticPool:
         elif self._cap_before_sleep is not None:
             cap, self._cap_before_sleep = self._cap_before_sleep, None
             self.manager.set_mem_limit(cap)
+        self.manager.capacity_changed()  # the engine may allocate at once: no count from before the wake
