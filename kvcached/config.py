@@ -177,6 +177,13 @@ VARIABLES: Tuple[Var, ...] = (
         "timeout) waits up to 3600 s, never forever",
     ),
     Var(
+        name="KVCACHED_TRANSFER_TIMEOUT",
+        type="float",
+        default="120",
+        meaning="seconds an offload copy (vLLM `--kv-offloading-size`) may run before one error line names it; its "
+        "blocks stay held and their pages mapped until it finishes (never unmapped under a copy); `0`: never report",
+    ),
+    Var(
         name="KVCACHED_PP_SIZE",
         type="int",
         default="1",
@@ -501,6 +508,12 @@ def ipc_timeout_s() -> float:
     if t != t or t == float("inf"):
         raise ValueError(f"{name}={os.environ.get(name)!r} must be a finite number of seconds (0: no timeout)")
     return t if t > 0 else NO_TIMEOUT_CAP_S
+
+
+def transfer_timeout_s() -> float:
+    """KVCACHED_TRANSFER_TIMEOUT in seconds (default 120; 0 or less: never report a late copy)."""
+    t = get_float("KVCACHED_TRANSFER_TIMEOUT", 120.0, unit="a number of seconds")
+    return t if t == t and t > 0 else 0.0
 
 
 def pp_size() -> int:

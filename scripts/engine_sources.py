@@ -55,6 +55,8 @@ EXTRACT: Dict[str, Tuple[str, ...]] = {
         "vllm/__init__.py",
         "vllm/version.py",
         "vllm/distributed/parallel_state.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py",  # the offload fence's seam
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/",
         "vllm/v1/",
         "vllm/config/",
         "vllm/platforms/",

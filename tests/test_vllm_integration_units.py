@@ -823,13 +823,24 @@ def _vllm_config(**over) -> SimpleNamespace:
             {"model_config__enable_sleep_mode": True, "model_config__sleep_mode_backend": "criu"},
             r"sleep mode with the 'cumem' backend only, not 'criu'",
         ),
-        ({"cache_config__kv_offloading_size": 4.0}, r"KV offloading \(--kv-offloading-size with the 'native' backend"),
         # vLLM turns --kv-offloading-size into a connector itself: the offload option is the one named.
+        ({"cache_config__kv_offloading_size": 4.0}, r"KV offloading \(--kv-offloading-size\) with vLLM's native"),
         (
-            {"cache_config__kv_offloading_size": 4.0, "vc__kv_transfer_config": SimpleNamespace()},
-            "--kv-offloading-size",
+            {
+                "cache_config__kv_offloading_size": 4.0,
+                "vc__kv_transfer_config": SimpleNamespace(kv_connector="SimpleCPUOffloadConnector"),
+            },
+            "VLLM_USE_SIMPLE_KV_OFFLOAD=1",
         ),
-        ({"vc__kv_transfer_config": SimpleNamespace(kv_connector="X")}, r"KV connectors \(kv_transfer_config\)"),
+        (
+            {
+                "cache_config__kv_offloading_size": 4.0,
+                "cache_config__kv_offloading_backend": "lmcache",
+                "vc__kv_transfer_config": SimpleNamespace(kv_connector="LMCacheMPConnector"),
+            },
+            "the 'lmcache' backend",
+        ),
+        ({"vc__kv_transfer_config": SimpleNamespace(kv_connector="X")}, r"KV connector 'X' \(kv_transfer_config\)"),
         ({"parallel_config__decode_context_parallel_size": 2}, "decode_context_parallel_size > 1"),
     ],
 )
@@ -838,6 +849,8 @@ def test_configurations_kvcached_cannot_serve_stop_start_up_in_one_line(over, ma
 
     refuse_unsupported(_vllm_config())  # the defaults are served
     refuse_unsupported(_vllm_config(model_config__enable_sleep_mode=True))  # sleep mode with cumem too
+    offloading = SimpleNamespace(kv_connector="OffloadingConnector")  # --kv-offloading-size N, native: fenced
+    refuse_unsupported(_vllm_config(cache_config__kv_offloading_size=4.0, vc__kv_transfer_config=offloading))
     with pytest.raises(InvalidArgumentError, match=match) as e:
         refuse_unsupported(_vllm_config(**over))
     assert "\n" not in str(e.value)

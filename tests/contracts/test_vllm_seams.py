@@ -88,6 +88,9 @@ CPUW = "vllm.v1.worker.cpu_worker"
 GPUW = "vllm.v1.worker.gpu_worker"
 GPUMR = "vllm.v1.worker.gpu_model_runner"
 CPUMR = "vllm.v1.worker.cpu_model_runner"
+OFFC = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
+OFFCOMMON = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
+OFFSCHED = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 V2ATTN = "vllm.v1.worker.gpu.attn_utils"
 
 # BlockPool methods that use self.free_block_queue, read against ElasticBlockPool
@@ -401,6 +404,47 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
         (
             "BlockPool.free_blocks(ordered_blocks, evict_first) (ElasticBlockPool takes it)",
             signature(BP, "BlockPool.free_blocks", has=("ordered_blocks", "evict_first")),
+        ),
+    ],
+    "offloading_connector_fence": [
+        (
+            "OffloadingConnector defines build_connector_meta, update_connector_output, request_finished(_all_groups)",
+            has_methods(
+                OFFC,
+                "OffloadingConnector",
+                ["build_connector_meta", "update_connector_output", "request_finished", "request_finished_all_groups"],
+            ),
+        ),
+        (
+            "OffloadingConnectorMetadata(load_jobs, store_jobs) of TransferJob(req_id, src_spec, dst_spec)",
+            all_of(
+                sets_attrs(OFFCOMMON, "OffloadingConnectorMetadata", ["load_jobs", "store_jobs"]),
+                sets_attrs(OFFCOMMON, "TransferJob", ["src_spec", "dst_spec"]),
+            ),
+        ),
+        (
+            "workers report finished jobs in OffloadingWorkerMetadata.completed_jobs (job id -> workers)",
+            all_of(
+                sets_attrs(OFFCOMMON, "OffloadingWorkerMetadata", ["completed_jobs"]),
+                mentions(OFFSCHED, "OffloadingConnectorScheduler.update_connector_output", "kv_connector_worker_meta"),
+                mentions(OFFSCHED, "OffloadingConnectorScheduler.update_connector_output", "completed_jobs"),
+            ),
+        ),
+        (
+            "a job is done when every worker (parallel_config.world_size) reported it",
+            mentions(OFFSCHED, "OffloadingConnectorScheduler.update_connector_output", "pending_count"),
+        ),
+        (
+            "GPULoadStoreSpec(block_ids) names the GPU blocks of a job",
+            sets_attrs("vllm.v1.kv_offload.base", "GPULoadStoreSpec", ["block_ids"]),
+        ),
+        (
+            "the scheduler hands each step's worker output to connector.update_connector_output",
+            calls_in(SCHED, "Scheduler._update_from_kv_xfer_finished", ".update_connector_output"),
+        ),
+        (
+            "the scheduler keeps stepping while the connector has jobs in flight (has_pending_push_work)",
+            defines(OFFC, "OffloadingConnector.has_pending_push_work"),
         ),
     ],
     "extensible_kv_cache_off": [

@@ -87,19 +87,41 @@ def refuse_unsupported(vllm_config: Any) -> None:
             "(sleep_mode_backend): it would save and restore KV memory kvcached maps; use cumem or unset "
             "ENABLE_KVCACHED"
         )
+    refuse_connector(vllm_config)
+
+
+def refuse_connector(vllm_config: Any) -> None:
+    """KV connectors copy blocks outside the scheduler's steps. vLLM's native offloading
+    (``--kv-offloading-size``, backend ``native``: the ``OffloadingConnector``) is fenced
+    (``offload.py``); every other connector stops start-up."""
+    from kvcached.integration.vllm.offload import FENCED_CONNECTORS
+
     cache = getattr(vllm_config, "cache_config", None)
-    if getattr(cache, "kv_offloading_size", None) is not None:
-        backend = getattr(cache, "kv_offloading_backend", "native")
-        raise InvalidArgumentError(
-            f"kvcached does not support KV offloading (--kv-offloading-size with the {backend!r} backend): the "
-            "offload connector copies blocks outside the scheduler's steps, so a page could be unmapped under a "
-            "copy; drop the option or unset ENABLE_KVCACHED"
+    offloading = getattr(cache, "kv_offloading_size", None) is not None
+    backend = getattr(cache, "kv_offloading_backend", "native") if offloading else None
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None and not offloading:
+        return
+    connector = getattr(ktc, "kv_connector", None)
+    if connector in FENCED_CONNECTORS:
+        return
+    if offloading:
+        why = (
+            "VLLM_USE_SIMPLE_KV_OFFLOAD=1 picks SimpleCPUOffloadConnector, whose copies kvcached does not fence; "
+            "unset it"
+            if connector == "SimpleCPUOffloadConnector"
+            else f"the {backend!r} backend ({connector}) copies blocks outside the scheduler's steps and kvcached "
+            "does not fence its copies; use --kv-offloading-backend native"
         )
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise InvalidArgumentError(
-            "kvcached does not support KV connectors (kv_transfer_config): they read blocks outside "
-            "the scheduler's steps, so a page could be unmapped under a transfer; unset ENABLE_KVCACHED"
+            f"kvcached supports KV offloading (--kv-offloading-size) with vLLM's native OffloadingConnector only: "
+            f"{why}, or unset ENABLE_KVCACHED"
         )
+    raise InvalidArgumentError(
+        f"kvcached does not support the KV connector {connector!r} (kv_transfer_config): it reads blocks outside "
+        "the scheduler's steps, so a page could be unmapped under a transfer; kvcached fences "
+        f"{', '.join(FENCED_CONNECTORS)} (--kv-offloading-size N) only; unset ENABLE_KVCACHED"
+    )
 
 
 class VllmBackend:

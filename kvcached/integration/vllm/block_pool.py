@@ -137,6 +137,8 @@ class ElasticBlockPool(BlockPool):
         self._avail_until = 0.0  # perf_counter() until which _avail may be reused
         self._low_blocks = _LOW_PAGES * self.manager.geometry.max_blocks_per_page
         self._resetting = False  # inside reset_prefix_cache (see there)
+        # Holds of the offloading connector's copy jobs (offload.attach), or None.
+        self.transfers: Any = None
 
     # ------------------------------------------------------------ capacity
 
@@ -299,11 +301,23 @@ class ElasticBlockPool(BlockPool):
 
     def _give_back(self, ids: List[int]) -> None:
         """Returns ledger ids to the manager (pages may empty), then lets the
-        execution fence release what no running step can read."""
+        execution fence release what no running step can read. With offloading,
+        blocks an offload copy still holds wait for it (``offload.py``)."""
+        if not ids:
+            return
+        self._n_out -= len(ids)
+        if self.transfers is not None:
+            ids = self.transfers.defer(ids)
+        self._to_ledger(ids)
+
+    def release_held(self, ids: List[int]) -> None:
+        """Blocks freed while an offload copy held them, whose last copy finished: to the ledger now."""
+        self._to_ledger(ids)
+
+    def _to_ledger(self, ids: List[int]) -> None:
         if not ids:
             return
         self.manager.free(ids)
-        self._n_out -= len(ids)
         self._avail += len(ids)
         self.backend.after_free()
 

@@ -4,6 +4,7 @@
   (so the coordinator's ``BlockPool(...)`` becomes an ``ElasticBlockPool`` of
   this scheduler) and counts its steps for the release fence: a marker after
   each ``schedule()``, a finished step at each ``update_from_output``.
+* an offloading connector's copy jobs hold the blocks they copy (``offload.attach``).
 * ``Scheduler.shutdown`` closes the pool's kvcached side.
 * ``EngineCore.__init__`` starts the idle watcher (only EngineCore processes
   have the input queue it wakes).
@@ -22,6 +23,7 @@ from typing import Any, Callable, Dict
 
 from kvcached.elastic import IdleAction
 from kvcached.integration.patch_base import wrap_method
+from kvcached.integration.vllm import offload
 from kvcached.integration.vllm.backend import building_pools
 from kvcached.integration.vllm.block_pool import ElasticBlockPool, PoolShortage
 from kvcached.integration.vllm.slot_rollback import rollback, snapshot
@@ -80,6 +82,7 @@ def patch_scheduler_module(module: ModuleType) -> None:
             pool = _pool_of(self)
             if pool is not None:
                 count_steps(self, pool)
+                offload.attach(self, pool)  # the offload connector's copies join the fence
 
         return __init__
 

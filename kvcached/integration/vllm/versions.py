@@ -107,6 +107,10 @@ _SPECS: List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]] = [
     ("no_reuse_watchers_0_29", "vllm.v1.core.block_pool", ("reuse_watchers", False),
      _call(_POOL, "use_no_reuse_watchers"),
      "<=0.29: BlockPool has no _reuse_watchers (no unpin_blocks); get_new_blocks reads an empty one"),
+    ("offloading_connector_fence", "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", None,
+     _call("kvcached.integration.vllm.offload", "patch_offloading_connector"),
+     "--kv-offloading-size (native OffloadingConnector): its store/load jobs hold their blocks until every worker "
+     "reported them finished, so the fence never unmaps a page under a copy"),
     # ------------------------------------- KV layout (scheduler and workers)
     ("kv_tensors_shared_by_0_28", "vllm.v1.kv_cache_interface", ("kv_buffer", "shared_by"),
      _set(_LAYOUT, "KVLayoutPlan", "tensor_reader", "read_shared_by_tensors", staticmethod),
