@@ -162,6 +162,11 @@ def child(a: argparse.Namespace) -> int:
     counters: Dict[str, float] = {}
     try:
         for m in llm.get_metrics():
+            # With --engine-args '{"kv_offloading_size": N}' (the offload steps): the host tier's
+            # stores/loads and the prefix hits it served (external_prefix_cache_*).
+            offload = "offload" in m.name or "external_prefix_cache" in m.name
+            if offload and isinstance(getattr(m, "value", None), (int, float)):
+                counters[m.name] = counters.get(m.name, 0) + float(m.value)
             if m.name in ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"):
                 counters[m.name] = counters.get(m.name, 0) + float(getattr(m, "value", 0) or 0)
     except Exception as e:  # counters are reported, not required
@@ -379,6 +384,10 @@ def main(argv: List[str] | None = None) -> int:
             f"limit {cy.get('kvcached_limit', 0) / (1 << 20):.0f} MiB)"
         )
         rc |= decides and n != 0
+    for label in res:  # the offload tier's own counters, where an engine had one
+        off = {k: v for k, v in res[label]["counters"].items() if "offload" in k or "external_prefix_cache" in k}
+        if off:
+            print(f"{label}: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(off.items())))
     return rc
 
 
