@@ -174,7 +174,7 @@ def test_bodies_in_flight_are_capped_in_bytes(running, monkeypatch):
     first.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {big}\r\n\r\n".encode() + b"{")
     try:
         for _ in range(200):  # until the router is reading the first body
-            if r.server._inflight_body == big:
+            if r.server.bodies.used == big:
                 break
             time.sleep(0.01)
         answer = post(r.port, b" " * 10, length=big)  # a second one would pass the cap

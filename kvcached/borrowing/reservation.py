@@ -394,20 +394,11 @@ def reserve(
 
 
 @contextlib.contextmanager
-def borrow(
-    nbytes: int,
-    device: object = None,
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    on_short: str = "raise",
-    name: Optional[str] = None,
-    priority: bool = False,
-    budget: Optional[DeviceBudget] = None,
-) -> Iterator[Reservation]:
+def borrow(nbytes: int, device: object = None, **options: Any) -> Iterator[Reservation]:
     """``with borrow(8 << 30, "cuda:0") as r:`` holds the memory for the block
-    (``r.nbytes`` bytes; see ``reserve`` for the arguments) and gives it back
-    when the block ends, however it ends."""
-    r = reserve(nbytes, device, timeout_s=timeout_s, on_short=on_short, name=name, priority=priority, budget=budget)
+    (``r.nbytes`` bytes; ``options``: ``reserve``'s keywords, ``timeout_s``, ``on_short``,
+    ``name``, ``priority``, ``budget``) and gives it back when the block ends, however it ends."""
+    r = reserve(nbytes, device, **options)
     try:
         yield r
     finally:

@@ -49,21 +49,21 @@ class ElasticPool:
         limit = int(self.limits.limit)
         return None if limit < 0 else limit
 
-    def pages_over_limit(self) -> int:
-        """Pages mapped beyond the limit (a lowered ``kvctl limit``); 0 when within it."""
+    def _pages_beyond_limit(self, pages: int) -> int:
+        """Of ``pages`` pages, how many lie beyond the limit (0 within it or with none)."""
         limit = self.limit_bytes()
         if limit is None:
             return 0
-        over = self.mapped_pages() * self.bytes_per_page - limit
+        over = pages * self.bytes_per_page - limit
         return -(-over // self.bytes_per_page) if over > 0 else 0
+
+    def pages_over_limit(self) -> int:
+        """Pages mapped beyond the limit (a lowered ``kvctl limit``); 0 when within it."""
+        return self._pages_beyond_limit(self.mapped_pages())
 
     def live_pages_over_limit(self) -> int:
         """Pages with live blocks beyond the limit: only evicting cached blocks can return these."""
-        limit = self.limit_bytes()
-        if limit is None:
-            return 0
-        over = self.live_pages() * self.bytes_per_page - limit
-        return -(-over // self.bytes_per_page) if over > 0 else 0
+        return self._pages_beyond_limit(self.live_pages())
 
     # ---- peers sharing the device budget -------------------------------------
 

@@ -43,12 +43,13 @@ per rank at a time). No log line per call: only anomalies are logged.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 from kvcached._C import (
     ERROR_KIND_BACKEND,
@@ -297,6 +298,14 @@ class TPCoordinator:
     def _describe(pairs) -> str:
         return "; ".join(f"{p.name}: {r.detail if isinstance(r, _Result) else r}" for p, r in pairs)
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[int]:
+        """An operation's start: the lock held (until the block ends), the group usable,
+        a new transaction id."""
+        with self._lock:
+            self._check_usable()
+            yield self._next_tx()
+
     # ---- operations --------------------------------------------------------------
 
     def map(self, offsets: Sequence[int]) -> None:
@@ -304,9 +313,7 @@ class TPCoordinator:
         offsets = list(offsets)
         if not offsets:
             return
-        with self._lock:
-            self._check_usable()
-            tx = self._next_tx()
+        with self._transaction() as tx:
             results = self._fan_out(self._peers, Cmd.MAP, protocol.offsets_body(self.group_id, tx, offsets))
             bad = [(p, r) for p, r in zip(self._peers, results) if r.status != _OK]
             if not bad:
@@ -328,9 +335,7 @@ class TPCoordinator:
         offsets = list(offsets)
         if not offsets:
             return
-        with self._lock:
-            self._check_usable()
-            tx = self._next_tx()
+        with self._transaction() as tx:
             txb = protocol.group_tx_body(self.group_id, tx)
             results = self._fan_out(self._peers, Cmd.PREPARE, protocol.offsets_body(self.group_id, tx, offsets))
             bad = [(p, r) for p, r in zip(self._peers, results) if r.status != _OK]

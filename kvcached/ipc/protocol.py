@@ -201,10 +201,14 @@ def map_reply(newly: int, already: int) -> bytes:
     return _MAP_REPLY.pack(newly, already)
 
 
+def _unpack_exact(st: struct.Struct, body: bytes, what: str) -> Tuple[int, ...]:
+    if len(body) != st.size:
+        raise ProtocolError("malformed-body", f"bad {what} reply")
+    return st.unpack(body)
+
+
 def parse_map_reply(body: bytes) -> Tuple[int, int]:
-    if len(body) != _MAP_REPLY.size:
-        raise ProtocolError("malformed-body", "bad MAP reply")
-    return _MAP_REPLY.unpack(body)
+    return _unpack_exact(_MAP_REPLY, body, "MAP")  # type: ignore[return-value]
 
 
 def u32_reply(n: int) -> bytes:
@@ -212,9 +216,7 @@ def u32_reply(n: int) -> bytes:
 
 
 def parse_u32_reply(body: bytes) -> int:
-    if len(body) != _U32.size:
-        raise ProtocolError("malformed-body", "bad u32 reply")
-    return _U32.unpack(body)[0]
+    return _unpack_exact(_U32, body, "u32")[0]
 
 
 def u8_reply(v: int) -> bytes:
@@ -222,9 +224,7 @@ def u8_reply(v: int) -> bytes:
 
 
 def parse_u8_reply(body: bytes) -> int:
-    if len(body) != _U8.size:
-        raise ProtocolError("malformed-body", "bad u8 reply")
-    return _U8.unpack(body)[0]
+    return _unpack_exact(_U8, body, "u8")[0]
 
 
 def error_body(kind: int, message: str) -> bytes:
@@ -262,43 +262,35 @@ class WorkerState:
     reachable: bool = True
 
 
+# The WorkerState fields _STATE carries, in its order (then the offset count).
+_STATE_FIELDS = (
+    ("created", bool),
+    ("failed", bool),
+    ("live_handles", int),
+    ("mapped_pages", int),
+    ("prepared_pages", int),
+    ("pending_transactions", int),
+    ("quarantined", int),
+    ("units_per_page", int),
+)
+
+
 def encode_state(s: WorkerState) -> bytes:
     n = len(s.mapped_offsets)
     msg = s.failure.encode("utf-8", "replace")[:MAX_MESSAGE]
-    return (
-        _STATE.pack(
-            int(s.created),
-            int(s.failed),
-            s.live_handles,
-            s.mapped_pages,
-            s.prepared_pages,
-            s.pending_transactions,
-            s.quarantined,
-            s.units_per_page,
-            n,
-        )
-        + struct.pack(f"<{n}q", *s.mapped_offsets)
-        + msg
-    )
+    head = _STATE.pack(*(int(getattr(s, name)) for name, _ in _STATE_FIELDS), n)
+    return head + struct.pack(f"<{n}q", *s.mapped_offsets) + msg
 
 
 def decode_state(body: bytes) -> WorkerState:
     if len(body) < _STATE.size:
         raise ProtocolError("malformed-body", "bad QUERY reply")
-    created, failed, live, mapped, prepared, pending, quarantined, units, n = _STATE.unpack_from(body)
+    *values, n = _STATE.unpack_from(body)
     end = _STATE.size + 8 * n
     if len(body) < end:
         raise ProtocolError("malformed-body", "QUERY reply shorter than its offset count")
-    offsets = list(struct.unpack_from(f"<{n}q", body, _STATE.size))
     return WorkerState(
-        created=bool(created),
-        failed=bool(failed),
-        live_handles=live,
-        mapped_pages=mapped,
-        prepared_pages=prepared,
-        pending_transactions=pending,
-        quarantined=quarantined,
-        units_per_page=units,
-        mapped_offsets=offsets,
+        **{name: kind(v) for (name, kind), v in zip(_STATE_FIELDS, values)},
+        mapped_offsets=list(struct.unpack_from(f"<{n}q", body, _STATE.size)),
         failure=body[end:].decode("utf-8", "replace"),
     )

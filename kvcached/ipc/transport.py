@@ -25,11 +25,11 @@ from __future__ import annotations
 import select
 import socket
 import struct
-import threading
 import time
 from typing import Optional, Tuple
 
 from kvcached.ipc.protocol import HEADER_SIZE, MAX_BODY, ProtocolError, parse_header
+from kvcached.quota import Quota
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _CHUNK = 64 * 1024
@@ -49,25 +49,9 @@ def peer_credentials(sock: socket.socket) -> Tuple[int, int, int]:
     return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
 
 
-class FrameBudget:
+class FrameBudget(Quota):
     """Bytes that the bodies of all frames being received may announce together
     (a listener's; thread-safe). A frame that does not fit is refused."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = int(limit)
-        self.used = 0
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> bool:
-        with self._lock:
-            if self.used + n > self.limit:
-                return False
-            self.used += n
-            return True
-
-    def give(self, n: int) -> None:
-        with self._lock:
-            self.used -= n
 
 
 class FrameReader:

@@ -217,6 +217,17 @@ def _wake_count(name: str) -> Optional[int]:
         return None  # removed meanwhile
 
 
+# The per-device gauges: kvcached_device_<key>, and their help.
+_DEVICE_GAUGES: Dict[str, str] = {
+    "budget_bytes": "Usable bytes of the device as its instances' owners computed them (KVCACHED_GPU_UTILIZATION).",
+    "held_bytes": "Bytes all instances hold on the device.",
+    "mapped_bytes": "Bytes all instances map on the device.",
+    "free_bytes": "Budget bytes no instance holds (budget - held; < 0 after the budget was lowered).",
+    "wanted_bytes": "Bytes instances want and cannot get.",
+    "instances": "Live instances on the device.",
+}
+
+
 def _device_families(records: List[RecordView], uid: int, now_ns: int) -> Iterator[Metric]:
     """Per-device sums over the live, valid records of this user (the budget's members)."""
     members: Dict[str, List[RecordView]] = {}
@@ -224,37 +235,16 @@ def _device_families(records: List[RecordView], uid: int, now_ns: int) -> Iterat
         if r.alive and r.valid and r.owner_uid == uid:
             members.setdefault(r.device, []).append(r)
     fams = {
-        "budget": GaugeMetricFamily(
-            "kvcached_device_budget_bytes",
-            "Usable bytes of the device as its instances' owners computed them (KVCACHED_GPU_UTILIZATION).",
-            labels=["device"],
-        ),
-        "held": GaugeMetricFamily(
-            "kvcached_device_held_bytes", "Bytes all instances hold on the device.", labels=["device"]
-        ),  # fmt: skip
-        "mapped": GaugeMetricFamily(
-            "kvcached_device_mapped_bytes", "Bytes all instances map on the device.", labels=["device"]
-        ),  # fmt: skip
-        "free": GaugeMetricFamily(
-            "kvcached_device_free_bytes",
-            "Budget bytes no instance holds (budget - held; < 0 after the budget was lowered).",
-            labels=["device"],
-        ),
-        "wanted": GaugeMetricFamily(
-            "kvcached_device_wanted_bytes", "Bytes instances want and cannot get.", labels=["device"]
-        ),  # fmt: skip
-        "instances": GaugeMetricFamily(
-            "kvcached_device_instances", "Live instances on the device.", labels=["device"]
-        ),  # fmt: skip
+        key: GaugeMetricFamily(f"kvcached_device_{key}", doc, labels=["device"]) for key, doc in _DEVICE_GAUGES.items()
     }
     for dev, recs in sorted(members.items()):
         held = sum(r.held for r in recs)
         budget = max(r.device_bytes for r in recs)
         if budget > 0:
-            fams["budget"].add_metric([dev], float(budget))
-            fams["free"].add_metric([dev], float(budget - held))
-        fams["held"].add_metric([dev], float(held))
-        fams["mapped"].add_metric([dev], float(sum(r.mapped for r in recs)))
-        fams["wanted"].add_metric([dev], float(sum(_current_want(r, now_ns) for r in recs)))
+            fams["budget_bytes"].add_metric([dev], float(budget))
+            fams["free_bytes"].add_metric([dev], float(budget - held))
+        fams["held_bytes"].add_metric([dev], float(held))
+        fams["mapped_bytes"].add_metric([dev], float(sum(r.mapped for r in recs)))
+        fams["wanted_bytes"].add_metric([dev], float(sum(_current_want(r, now_ns) for r in recs)))
         fams["instances"].add_metric([dev], float(len(recs)))
     yield from fams.values()

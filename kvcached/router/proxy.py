@@ -21,12 +21,12 @@ import http.client
 import json
 import logging
 import posixpath
-import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Optional
 
 from kvcached.http_guard import DEADLINES, ConnectionCap, cut
+from kvcached.quota import Quota
 from kvcached.router.peer_check import CheckedConnection, EngineSockets, NotTheEngine
 from kvcached.router.router import Router
 
@@ -116,21 +116,8 @@ class RouterServer(ConnectionCap, ThreadingHTTPServer):
     def __init__(self, address: Any, router: Router) -> None:
         self.router = router
         self.max_connections = MAX_CONNECTIONS
-        self._body_lock = threading.Lock()
-        self._inflight_body = 0
+        self.bodies = Quota(MAX_INFLIGHT_BODY)  # request body bytes in flight
         super().__init__(address, RouterHandler)
-
-    def take_body(self, n: int) -> bool:
-        """Counts ``n`` body bytes in flight; False (nothing counted) when over MAX_INFLIGHT_BODY."""
-        with self._body_lock:
-            if self._inflight_body + n > MAX_INFLIGHT_BODY:
-                return False
-            self._inflight_body += n
-            return True
-
-    def give_body(self, n: int) -> None:
-        with self._body_lock:
-            self._inflight_body -= n
 
 
 class RouterHandler(BaseHTTPRequestHandler):
@@ -232,7 +219,7 @@ class RouterHandler(BaseHTTPRequestHandler):
             return
         self.path = path
         n = int(length)
-        if not self.server.take_body(n):
+        if not self.server.bodies.take(n):
             self.close_connection = True
             self._error(
                 503, "the router is reading or forwarding too many request bodies; retry", "service_unavailable",
@@ -242,7 +229,7 @@ class RouterHandler(BaseHTTPRequestHandler):
         try:
             self._post_body(router, n)
         finally:
-            self.server.give_body(n)
+            self.server.bodies.give(n)
 
     def _post_body(self, router: Router, n: int) -> None:
         body = self.rfile.read(n)

@@ -207,35 +207,7 @@ def build_tiny_llama(
     inter = intermediate_size if intermediate_size is not None else 2 * hidden_size
 
     vocab = _vocab(vocab_size)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=inter,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        hidden_act="silu",
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
-        pad_token_id=vocab["<pad>"],
-        torch_dtype=dtype,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(path)
-    GenerationConfig(
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
-        pad_token_id=vocab["<pad>"],
-    ).save_pretrained(path)
-
-    cfg = {
+    cfg = {  # the sizes, as the config names them (the weights are drawn from them too)
         "hidden_size": hidden_size,
         "intermediate_size": inter,
         "vocab_size": vocab_size,
@@ -244,6 +216,23 @@ def build_tiny_llama(
         "num_key_value_heads": num_kv_heads,
         "num_hidden_layers": num_layers,
     }
+    special = {"bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"], "pad_token_id": vocab["<pad>"]}
+    config = LlamaConfig(
+        **cfg,
+        **special,
+        max_position_embeddings=max_position_embeddings,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        torch_dtype=dtype,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(path)
+    GenerationConfig(**special).save_pretrained(path)
+
     step = layers_per_shard if layers_per_shard > 0 else num_layers
     starts = list(range(0, num_layers, step))
     for k, start in enumerate(starts):
@@ -267,46 +256,32 @@ PRESETS: dict[str, dict] = {
         intermediate_size=14336,
         max_position_embeddings=8192,
     ),
-    "llama3-1b": dict(
-        vocab_size=128256,
-        hidden_size=2048,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        max_position_embeddings=8192,
-    ),
 }
+# Llama 3.2 1B: the 8B's vocabulary, heads and context, narrower and shallower.
+PRESETS["llama3-1b"] = {
+    **PRESETS["llama3-8b"],
+    **dict(hidden_size=2048, num_layers=16, head_dim=64, intermediate_size=8192),
+}
+# The sizes main() takes as flags (defaults: build_tiny_llama's).
+_SIZES = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings")
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import inspect
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outdir")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vocab-size", type=int, default=512)
-    ap.add_argument("--hidden-size", type=int, default=64)
-    ap.add_argument("--num-layers", type=int, default=2)
-    ap.add_argument("--num-heads", type=int, default=4)
-    ap.add_argument("--num-kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--max-position-embeddings", type=int, default=512)
+    defaults = inspect.signature(build_tiny_llama).parameters
+    for name in _SIZES:
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name].default)
     ap.add_argument("--preset", choices=sorted(PRESETS), help="a real model shape (overrides the sizes)")
     ap.add_argument("--device", default="cpu", help="where weights are drawn (cuda for real shapes)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--layers-per-shard", type=int, default=0)
     a = ap.parse_args(argv)
-    sizes = dict(
-        vocab_size=a.vocab_size,
-        hidden_size=a.hidden_size,
-        num_layers=a.num_layers,
-        num_heads=a.num_heads,
-        num_kv_heads=a.num_kv_heads,
-        head_dim=a.head_dim,
-        max_position_embeddings=a.max_position_embeddings,
-    )
+    sizes = {name: getattr(a, name) for name in _SIZES}
     sizes.update(PRESETS.get(a.preset, {}))
     out = build_tiny_llama(
         a.outdir, seed=a.seed, device=a.device, dtype=a.dtype, layers_per_shard=a.layers_per_shard, **sizes

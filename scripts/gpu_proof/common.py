@@ -186,3 +186,92 @@ def percentile(xs: Sequence[float], q: float) -> Optional[float]:
     s = sorted(xs)
     k = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
     return s[k]
+
+
+# ------------------------------------------------------------ kvcached serve (the router)
+
+
+def router_budget(kv: int, cpu: bool, device_bytes: Optional[int] = None) -> Dict[str, object]:
+    """The ``kvcached`` section of a ``kvcached serve`` config: ``kv`` bytes shared by its
+    models; on the device a utilization of ``device_bytes`` (default: device 0's memory)."""
+    if cpu:
+        return {"host_memory_budget": str(kv)}
+    if device_bytes is None:
+        import torch
+
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
+    return {"gpu_utilization": round(kv / device_bytes, 6)}
+
+
+def router_model(
+    name: str,
+    engine: str,
+    model: str,
+    *,
+    cpu: bool,
+    kv: int,
+    max_model_len: int,
+    sleep: str,
+    idle: float,
+    python: str,
+    path: Optional[str] = None,
+    vllm_gpu_args: Sequence[str] = (),
+    extra_args: Sequence[str] = (),
+) -> Dict[str, object]:
+    """One model of a ``kvcached serve`` config: ``engine`` (vllm or sglang) serving ``model``
+    with ``kv`` bytes of KV capacity (vLLM: ``base_args`` and ``--kv-cache-memory-bytes``, plus
+    ``vllm_gpu_args`` on the device; SGLang: ``sglang_args``), run by ``python`` with
+    ``path`` as PYTHONPATH (default: this process's)."""
+    model = os.path.abspath(model)
+    if engine == "vllm":
+        args = [*base_args(cpu, max_model_len), "--kv-cache-memory-bytes", str(kv)]
+        if not cpu:
+            args += vllm_gpu_args
+        path = path or os.environ.get("PYTHONPATH", "")
+    else:
+        args = sglang_args(model, cpu, kv, max_model_len)
+        path = sglang_pythonpath(cpu, path)
+    return {
+        "name": name,
+        "engine": engine,
+        "model": model,
+        "args": [*args, *extra_args],
+        "env": {"PYTHONPATH": path} if path else {},
+        "idle_seconds": idle,
+        "sleep": sleep,
+        "python": python,
+    }
+
+
+def router_config(out: str, port: int, budget: Dict[str, object], models: List[Dict], **more: object) -> Dict:
+    """A ``kvcached serve`` config on ``127.0.0.1:port`` (engine logs under ``out``): long
+    wake and start timeouts (a cold GPU engine takes minutes), ``more`` (e.g. ``max_awake``)."""
+    return {
+        "host": "127.0.0.1",
+        "port": port,
+        **more,
+        "wake_timeout_s": 900,
+        "start_timeout_s": 900,
+        "health_interval_s": 1,
+        "log_dir": os.path.abspath(out),
+        "kvcached": budget,
+        "models": models,
+    }
+
+
+def start_router(cfg: Dict, out: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    """``python -m kvcached.router serve OUT/router.json`` (``cfg`` written there) in a child
+    process whose output goes to ``OUT/router.log``."""
+    cfg_path = os.path.join(out, "router.json")
+    write_json(cfg_path, cfg)
+    cmd = [sys.executable, "-m", "kvcached.router", "serve", cfg_path]
+    with open(os.path.join(out, "router.log"), "w") as logf:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+
+
+def router_states(port: int) -> Dict[str, str]:
+    """{model: state} from the router's ``/v1/models``."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
+        return {m["id"]: m.get("state", "?") for m in json.load(r)["data"]}

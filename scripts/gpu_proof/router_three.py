@@ -20,10 +20,8 @@ Exits 1 when a request failed or the router did not stop cleanly.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,9 +30,20 @@ from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_engine_args, base_args, log, percentile, sglang_args, sglang_pythonpath, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_engine_args,
+    log,
+    percentile,
+    router_budget,
+    router_config,
+    router_model,
+    router_states,
+    start_router,
+    write_json,
+)
 from three_models import burst  # noqa: E402
 
+from kvcached.router.supervisor import free_port  # noqa: E402
 from kvcached.testing.record_sampler import RecordSampler  # noqa: E402
 from kvcached.units import format_size, parse_size  # noqa: E402
 
@@ -54,21 +63,6 @@ def parse_models(text: str) -> Dict[str, Tuple[str, str]]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(port: int, path: str) -> Dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
-        return json.load(r)
-
-
-def states(port: int) -> Dict[str, str]:
-    return {m["id"]: m.get("state", "?") for m in get_json(port, "/v1/models")["data"]}
-
-
 def wake_seconds(port: int) -> Dict[str, Tuple[float, float]]:
     """{model: (wakes, seconds)} from the router's kvcached_router_wake_seconds histogram."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
@@ -83,35 +77,23 @@ def wake_seconds(port: int) -> Dict[str, Tuple[float, float]]:
 
 
 def config(a: argparse.Namespace, kv: int, port: int) -> Dict:
-    if a.cpu:
-        budget = {"host_memory_budget": str(kv)}
-    else:
-        import torch
-
-        budget = {"gpu_utilization": round(kv / torch.cuda.get_device_properties(0).total_memory, 6)}
-    models = []
-    for m, (engine, sleep) in a.models.items():
-        if engine == "vllm":
-            args = [*base_args(a.cpu, 512 if a.cpu else 4096), "--kv-cache-memory-bytes", str(kv)]
-            if not a.cpu:
-                args += ["--gpu-memory-utilization", "0.2"]  # explicit KV bytes: only the start-up check reads it
-            path, python = a.vllm_path or os.environ.get("PYTHONPATH", ""), a.vllm_python
-        else:
-            args = sglang_args(os.path.abspath(a.model), a.cpu, kv)
-            path, python = sglang_pythonpath(a.cpu, a.sglang_path), a.sglang_python
-        model = {"name": m, "engine": engine, "model": os.path.abspath(a.model), "args": args}
-        model.update(env={"PYTHONPATH": path} if path else {}, idle_seconds=a.idle, sleep=sleep, python=python)
-        models.append(model)
-    return {
-        "host": "127.0.0.1",
-        "port": port,
-        "wake_timeout_s": 900,
-        "start_timeout_s": 900,
-        "health_interval_s": 1,
-        "log_dir": os.path.abspath(a.out),
-        "kvcached": budget,
-        "models": models,
-    }
+    models = [
+        router_model(
+            m,
+            engine,
+            a.model,
+            cpu=a.cpu,
+            kv=kv,
+            max_model_len=512 if a.cpu else 4096,
+            sleep=sleep,
+            idle=a.idle,
+            python=a.vllm_python if engine == "vllm" else a.sglang_python,
+            path=a.vllm_path if engine == "vllm" else a.sglang_path,
+            vllm_gpu_args=["--gpu-memory-utilization", "0.2"],  # explicit KV bytes: only the start-up check reads it
+        )
+        for m, (engine, sleep) in a.models.items()
+    ]
+    return router_config(a.out, port, router_budget(kv, a.cpu), models)
 
 
 def plot(rec: RecordSampler, phases, budget: int, path: str, models: Dict[str, Tuple[str, str]]) -> None:  # type: ignore[no-untyped-def]
@@ -174,12 +156,7 @@ def main(argv: List[str] | None = None) -> int:
     n = a.burst or (8 if a.cpu else 128)
     plen, gen = (64, 32) if a.cpu else (1024, 512)
     port = free_port()
-    cfg_path = os.path.join(a.out, "router.json")
-    write_json(cfg_path, config(a, kv, port))
-    logf = open(os.path.join(a.out, "router.log"), "w")
-    router = subprocess.Popen(
-        [sys.executable, "-m", "kvcached.router", "serve", cfg_path], stdout=logf, stderr=subprocess.STDOUT
-    )
+    router = start_router(config(a, kv, port), a.out)
     rec = RecordSampler([f"kvcached_router_{m}" for m in names], period=0.05)
     results: List[Dict[str, object]] = []
     phases: List[Tuple[str, float, float]] = []
@@ -189,7 +166,7 @@ def main(argv: List[str] | None = None) -> int:
         st: Dict[str, str] = {}
         while True:
             try:
-                st = states(port)
+                st = router_states(port)
                 if st and all(s == "ready" for s in st.values()):
                     break
             except OSError:
@@ -205,11 +182,11 @@ def main(argv: List[str] | None = None) -> int:
             # Long enough without requests that every idle model is asleep.
             deadline = time.monotonic() + a.idle + 60
             while time.monotonic() < deadline:
-                st = states(port)
+                st = router_states(port)
                 if all(s == "asleep" for s in st.values()):
                     break
                 time.sleep(0.5)
-            before = states(port)[m]
+            before = router_states(port)[m]
             t1 = rec.now()
             ttfts, failed = burst(SimpleNamespace(port=port, model=m), n, plen, gen, seed=10 + i)
             phases.append((m, t1, rec.now()))
@@ -239,7 +216,6 @@ def main(argv: List[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             router.kill()
             rc = -9
-        logf.close()
     write_json(
         os.path.join(a.out, "router_three.json"),
         {

@@ -42,13 +42,22 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import GIB, base_args, log, percentile, sglang_args, sglang_pythonpath, write_json  # noqa: E402
+from common import (  # noqa: E402
+    GIB,
+    log,
+    percentile,
+    router_budget,
+    router_config,
+    router_model,
+    router_states,
+    start_router,
+    write_json,
+)
 
 from kvcached.router.supervisor import free_port  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
@@ -100,36 +109,25 @@ def names(n: int) -> List[str]:
 
 
 def config(a: argparse.Namespace, port: int, dev: int) -> Dict:
-    model = os.path.abspath(a.model)
-    budget = {"host_memory_budget": str(a.kv)} if a.cpu else {"gpu_utilization": round(a.kv / dev, 6)}
-    models = []
-    for m in names(a.models):
-        if a.engine == "vllm":
-            args = [*base_args(a.cpu, 512 if a.cpu else 2048), "--kv-cache-memory-bytes", str(a.kv)]
-            if not a.cpu:
-                # Explicit KV bytes: vLLM reads the utilization only in its start-up check of free memory.
-                args += ["--gpu-memory-utilization", str(a.gpu_utilization), "--max-num-seqs", "64"]
-            path = a.engine_path or os.environ.get("PYTHONPATH", "")
-        else:
-            args = sglang_args(model, a.cpu, a.kv, 512 if a.cpu else 2048)
-            path = sglang_pythonpath(a.cpu, a.engine_path)
-        if a.sleep == "engine":
-            args.append(SLEEP_FLAG[a.engine])
-        env = {"PYTHONPATH": path} if path else {}
-        entry = {"name": m, "engine": a.engine, "model": model, "args": args, "env": env}
-        entry.update(idle_seconds=a.idle, sleep=a.sleep, python=a.engine_python)
-        models.append(entry)
-    return {
-        "host": "127.0.0.1",
-        "port": port,
-        "max_awake": a.max_awake,
-        "wake_timeout_s": 900,
-        "start_timeout_s": 900,
-        "health_interval_s": 1,
-        "log_dir": os.path.abspath(a.out),
-        "kvcached": budget,
-        "models": models,
-    }
+    models = [
+        router_model(
+            m,
+            a.engine,
+            a.model,
+            cpu=a.cpu,
+            kv=a.kv,
+            max_model_len=512 if a.cpu else 2048,
+            sleep=a.sleep,
+            idle=a.idle,
+            python=a.engine_python,
+            path=a.engine_path,
+            # Explicit KV bytes: vLLM reads the utilization only in its start-up check of free memory.
+            vllm_gpu_args=["--gpu-memory-utilization", str(a.gpu_utilization), "--max-num-seqs", "64"],
+            extra_args=[SLEEP_FLAG[a.engine]] if a.sleep == "engine" else [],
+        )
+        for m in names(a.models)
+    ]
+    return router_config(a.out, port, router_budget(a.kv, a.cpu, dev), models, max_awake=a.max_awake)
 
 
 def plan_checks(a: argparse.Namespace, dev: int) -> Tuple[List[str], Optional[str]]:
@@ -164,23 +162,14 @@ class Router:
 
     def __init__(self, a: argparse.Namespace, cfg: Dict) -> None:
         self.port = cfg["port"]
-        self.cfg_path = os.path.join(a.out, "router.json")
-        write_json(self.cfg_path, cfg)
         self.log_path = os.path.join(a.out, "router.log")
-        self.logf = open(self.log_path, "w")
         env = dict(os.environ)
         # vLLM's sleep mode (the CuMem allocator) refuses expandable segments.
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcached.router", "serve", self.cfg_path],
-            stdout=self.logf,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        self.proc = start_router(cfg, a.out, env)
 
     def states(self) -> Dict[str, str]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=30) as r:
-            return {m["id"]: m.get("state", "?") for m in json.load(r)["data"]}
+        return router_states(self.port)
 
     def wait_listening(self, timeout: float) -> None:
         t0 = time.monotonic()
@@ -216,7 +205,6 @@ class Router:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             rc = -9
-        self.logf.close()
         return rc
 
 

@@ -211,6 +211,17 @@ class _ElasticAllocatorMixin:
         if pending:
             self._kv_release_pending(torch.cat(pending))
 
+    def _deferred_or_empty(self, ids: torch.Tensor, copy: bool = True) -> bool:
+        """Whether a free of ``ids`` is done now: nothing to free, or inside a free group,
+        which keeps them (int64; a copy unless ``copy`` is off: the caller may reuse its
+        tensor before the group ends) and frees them at its end."""
+        if ids.numel() == 0:
+            return True
+        if self._kv_pending is None:
+            return False
+        self._kv_pending.append(ids.to(_INT64, copy=copy))
+        return True
+
     def _kv_release_pending(self, pending: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -325,11 +336,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         return torch.cat((spare, fresh)) if k else fresh
 
     def free(self, free_index: torch.Tensor) -> None:
-        if free_index.numel() == 0:
-            return
-        if self._kv_pending is not None:
-            # A copy: the caller may reuse the tensor before the group ends.
-            self._kv_pending.append(free_index.to(_INT64, copy=True))
+        if self._deferred_or_empty(free_index):
             return
         spare = torch.cat((self._spare, free_index.to(_INT64)))
         over = spare.numel() - self._spare_cap
@@ -449,22 +456,15 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
         return out
 
     def free(self, free_index: torch.Tensor) -> None:
-        if free_index.numel() == 0:
-            return
         pages = free_index // self.page_size
-        if self._kv_pending is not None:
-            self._kv_pending.append(pages.to(_INT64))  # a new tensor: safe to keep
+        if self._deferred_or_empty(pages, copy=False):  # a new tensor: safe to keep
             return
         self._release(torch.unique(pages))
 
     def free_page_ids(self, page_ids: torch.Tensor) -> None:
         """Exactly these pages (SGLang 0.5.20+)."""
-        if page_ids.numel() == 0:
-            return
-        if self._kv_pending is not None:
-            self._kv_pending.append(page_ids.to(_INT64, copy=True))
-            return
-        self._release(page_ids)
+        if not self._deferred_or_empty(page_ids):
+            self._release(page_ids)
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
         # SGLang's own sink (0.5.18+): reached only from base-class code this

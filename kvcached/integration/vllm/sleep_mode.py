@@ -116,8 +116,8 @@ def follow(executor: Any, pool: ElasticBlockPool) -> None:
 
 
 def bind_executor(executor: Any, pool: ElasticBlockPool) -> None:
-    """Wraps this executor's ``sleep``, ``wake_up`` and (vLLM 0.31+) ``discard``
-    (instance attributes shadow the class's, as ``count_steps`` does for the
+    """Wraps this executor's ``sleep``, ``wake_up`` and, where it has one (vLLM 0.31+),
+    ``discard`` (instance attributes shadow the class's, as ``count_steps`` does for the
     scheduler): vLLM's call runs unchanged, then kvcached follows ``sleeping_tags``."""
 
     def guard_then_follow(orig: Callable[..., Any], what: str, tags_going: Callable[..., bool]) -> Callable[..., Any]:
@@ -135,22 +135,12 @@ def bind_executor(executor: Any, pool: ElasticBlockPool) -> None:
 
     executor.sleep = guard_then_follow(executor.sleep, "sleep", lambda *a, **k: True)
     executor.wake_up = guard_then_follow(executor.wake_up, "wake up", lambda *a, **k: False)
-    if FOLLOW_DISCARD:
+    if callable(getattr(executor, "discard", None)):  # vLLM 0.31+ (engine_core_kv_discard)
 
         def discarding_kv(tags: Any = (), *a: Any, **k: Any) -> bool:
             return KV_TAG in tuple(k.get("tags", tags) or ())
 
         executor.discard = guard_then_follow(executor.discard, "discard the KV cache", discarding_kv)
-
-
-# Whether this vLLM's executor can discard the KV cache alone (versions.py: engine_core_kv_discard).
-FOLLOW_DISCARD = False
-
-
-def use_executor_discard(module: ModuleType) -> None:
-    """vLLM 0.31+ (``engine_core_kv_discard``): ``Executor.discard`` exists and is followed."""
-    global FOLLOW_DISCARD
-    FOLLOW_DISCARD = True
 
 
 def patch_engine_core_sleep(module: ModuleType) -> None:

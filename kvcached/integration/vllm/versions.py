@@ -79,6 +79,11 @@ def _set(module: str, owner: str, attr: str, value: str, wrap: Callable[[object]
     return apply
 
 
+def _seam_only(target: ModuleType) -> None:
+    """The apply of a row that only names a seam kvcached reads (its range and contract
+    tests): the code that reads it binds to what the engine's object has."""
+
+
 # (name, target module, needs, apply, what it does). One line per patch; the
 # order is the order they apply in within a module.
 _SPECS: List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]] = [
@@ -91,9 +96,9 @@ _SPECS: List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]] = [
      "an idle engine gives cached pages back to a short peer or a lowered limit (idle callbacks)"),
     ("engine_core_sleep_kv", "vllm.v1.engine.core", None, _call(_SLEEP, "patch_engine_core_sleep"),
      "sleep mode: the KV cache kvcached backs is given back while vLLM's kv_cache sleeps (weights: vLLM's pool)"),
-    ("engine_core_kv_discard", "vllm.v1.engine.core", ("kv_discard", True),
-     _call(_SLEEP, "use_executor_discard"),
-     "0.31+: release_kv_cache_memory discards the KV cache alone (Executor.discard): give its pages back too"),
+    ("engine_core_kv_discard", "vllm.v1.engine.core", ("kv_discard", True), _seam_only,
+     "0.31+: release_kv_cache_memory discards the KV cache alone (Executor.discard): give its pages back too "
+     "(sleep_mode.bind_executor wraps the discard of an executor that has one)"),
     ("allocate_slots_rollback", "vllm.v1.core.kv_cache_manager", None, _call(_SCHED, "patch_kv_cache_manager_module"),
      "a physical shortage found while allocating becomes None (preemption), after an exact rollback"),
     ("block_owner_none_0_29", "vllm.v1.core.block_pool", ("block_owner", "none"), _call(_POOL, "use_unowned_blocks"),
