@@ -1,4 +1,4 @@
-"""The router in front of real stand-in engine processes (tests/test_router_standin.py):
+"""The router in front of real stand-in engine processes (tests/router/test_router_standin.py):
 routing by model, streaming passthrough, sleep after idle and wake on request
 (both ways that need no kvcached record), restart after a crash, the bounded
 wait, metrics, and every child stopped at shutdown. These test the router; the
@@ -19,6 +19,7 @@ import pytest
 from kvcached.router.config import parse_config
 from kvcached.router.router import idle_due
 from kvcached.router.supervisor import ASLEEP, READY, ModelEngine, free_port
+from repo_paths import ROOT
 from router_helpers import BOUND_S, complete, request, wait_for
 from test_router_standin import standin_python
 
@@ -191,10 +192,9 @@ def test_sigterm_stops_the_router_and_every_engine(tmp_path):
         ],
     }
     (tmp_path / "c.json").write_text(json.dumps(cfg))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcached.router", "serve", str(tmp_path / "c.json")],
-        cwd=root,
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

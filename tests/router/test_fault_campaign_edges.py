@@ -20,9 +20,9 @@ import threading
 import urllib.request
 
 import pytest
+from test_metrics import Exporter
 
 from router_helpers import BOUND_S, complete, wait_for
-from test_metrics import Exporter
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Hostile or malformed input at the router's front (issue 34, items 4 and 5): a 4xx, never a
 traceback; nothing a client should not control reaches the engine. Real router, real sockets,
-a real stand-in engine process that reports what it received (tests/test_router_standin.py)."""
+a real stand-in engine process that reports what it received (tests/router/test_router_standin.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo_paths import ROOT
+
 sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu_proof"))
 sleep_engine = pytest.importorskip("sleep_engine")
 

@@ -4,7 +4,7 @@ as this user or as another one, gets nothing from the router, not even a health 
 and the client gets an error, not its answer. Also the socket lookups underneath
 (``kvcached.router.tcp_table``, both ways) and the ownership check
 (``kvcached.router.peer_check``) on their own. Real router, real stand-in engine
-processes (tests/test_router_standin.py), a real impostor process."""
+processes (tests/router/test_router_standin.py), a real impostor process."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from test_metrics import Exporter, parse, scrape, value
 
 from kvcached import _C
 from kvcached.limits import DeviceBudget
@@ -28,7 +29,6 @@ from limits_helpers import (
     poke,
     shm_path,
 )
-from test_metrics import Exporter, parse, scrape, value
 
 BUDGET = 8 * BPP
 

@@ -1,6 +1,6 @@
 """Borrowing device memory for a process that is not an engine (kvcached.borrowing,
 ``kvctl borrow``), across real processes on the host backend: the "engines" are
-tests/limits_worker.py (an allocator + InstanceLimits) and tests/borrow_engine.py
+tests/helpers/limits_worker.py (an allocator + InstanceLimits) and tests/borrowing/borrow_engine.py
 (the elastic runtime with a prefix cache); the borrower is this process or a job
 process. Every budget is scoped to the test's unique prefix."""
 
@@ -24,10 +24,11 @@ from kvcached.borrowing.torch_retry import tried_bytes
 from kvcached.cli import kvctl as kvctl_mod
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits import DeviceBudget
-from limits_helpers import BPP, HERE, Worker, kvctl, kvctl_list_json
+from limits_helpers import BPP, Worker, kvctl, kvctl_list_json
 
 pytestmark = pytest.mark.slow
-ENGINE_BPP = 256 << 10  # tests/borrow_engine.py: bytes of budget per page
+ENGINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "borrow_engine.py")  # run as a script
+ENGINE_BPP = 256 << 10  # tests/borrowing/borrow_engine.py: bytes of budget per page
 
 
 @pytest.fixture
@@ -48,12 +49,12 @@ def procs():
 
 
 class Engine:
-    """tests/borrow_engine.py in a child process."""
+    """tests/borrowing/borrow_engine.py in a child process."""
 
     def __init__(self, **cfg) -> None:
         self.name = cfg["name"]
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "borrow_engine.py"), json.dumps(cfg)],
+            [sys.executable, ENGINE, json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

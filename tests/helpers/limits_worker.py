@@ -1,6 +1,6 @@
 """A kvcached instance in its own process, for the limits tests.
 
-    python tests/limits_worker.py '<json config>'
+    python tests/helpers/limits_worker.py '<json config>'
 
 Config: name, pages (virtual pages per K/V buffer), budget_bytes (0: no device
 budget), scope, min_reserved, max_reserved, device (default "cpu"), page

@@ -23,6 +23,7 @@ from kvcached import _C
 from kvcached.limits.budget import WANT_TTL_S
 from kvcached.metrics import KvcachedCollector, exporter
 from limits_helpers import BPP, Worker, kvctl, kvctl_list_json, poke
+from repo_paths import ROOT
 
 BUDGET = 8 * BPP
 FIELDS = {  # metric -> the `kvctl list --json` key it shows
@@ -355,13 +356,12 @@ def test_docs_and_dashboard_use_exactly_the_exported_names(prefix, pair):
     uses no name the collector does not export."""
     import re
 
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     assert pair[0].call("alloc", n=1)["ok"]
     exported = {name for name, _ in scrape(prefix)}
-    with open(os.path.join(root, "docs", "OBSERVABILITY.md")) as f:
+    with open(os.path.join(ROOT, "docs", "OBSERVABILITY.md")) as f:
         documented = set(re.findall(r"`(kvcached_[a-z_]+)`", f.read()))
     assert exported <= documented, exported - documented
-    with open(os.path.join(root, "docs", "grafana_kvcached.json")) as f:
+    with open(os.path.join(ROOT, "docs", "grafana_kvcached.json")) as f:
         dash = json.load(f)
     used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"kvcached_[a-z_]+", t["expr"])}
     assert used and used <= exported, used - exported

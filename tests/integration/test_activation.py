@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from repo_paths import TESTS
+
 KVCACHED_ENV = ("ENABLE_KVCACHED", "KVCACHED_")
 
 
@@ -219,7 +221,7 @@ def test_version_falls_back_to_metadata_then_one_line_naming_the_fix(tmp_path):
 
 
 def test_test_stub_marker_still_keeps_the_stub_inactive(tmp_path):
-    stubs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines", "sglang_stubs")
+    stubs = os.path.join(TESTS, "engines", "sglang_stubs")
     code = "from kvcached import autopatch\nautopatch.install()\nimport vllm._custom_ops\n" + textwrap.dedent(REPORT)
     out = _run(code, {"ENABLE_KVCACHED": "true"}, stubs)
     assert out.returncode == 0, out.stderr

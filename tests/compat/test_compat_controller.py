@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from repo_paths import TESTS
+
 aiohttp = pytest.importorskip("aiohttp", reason="upstream's controller needs aiohttp (a test dependency)")
 from aiohttp import web  # noqa: E402
 
@@ -23,7 +25,7 @@ from kvcached import control, pool_registry, vmm_ops  # noqa: E402
 from kvcached.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvcached.limits.records import read_record  # noqa: E402
 
-CONTROLLER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compat_upstream", "controller")
+CONTROLLER = os.path.join(TESTS, "compat_upstream", "controller")
 
 
 @pytest.fixture

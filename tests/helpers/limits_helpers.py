@@ -26,7 +26,7 @@ def unique_prefix() -> str:
 
 
 class Worker:
-    """An instance in a child process (tests/limits_worker.py)."""
+    """An instance in a child process (tests/helpers/limits_worker.py)."""
 
     def __init__(self, **cfg: Any) -> None:
         self.name = cfg["name"]

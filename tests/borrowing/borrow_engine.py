@@ -1,6 +1,6 @@
-"""An engine with a prefix cache in its own process, for tests/test_borrow.py.
+"""An engine with a prefix cache in its own process, for tests/borrowing/test_borrow.py.
 
-    python tests/borrow_engine.py '<json config>'
+    python tests/borrowing/borrow_engine.py '<json config>'
 
 Config: name, scope, budget_bytes, blocks (default 256), quantum_bytes. It runs
 the engine-neutral elastic runtime as the engine adapters do: a KVCacheManager

@@ -1,6 +1,6 @@
 """The router's engine logs are private and never opened through a link (issue 34, item 2),
 and a request that took its engine down is not sent again (item 6): real router, real
-stand-in engine processes (tests/test_router_standin.py), real files."""
+stand-in engine processes (tests/router/test_router_standin.py), real files."""
 
 from __future__ import annotations
 

@@ -14,9 +14,10 @@ import urllib.parse
 import urllib.request
 
 import pytest
+from test_metrics import BUDGET, Exporter
 
 from limits_helpers import BPP, Worker, remove_records, unique_prefix
-from test_metrics import BUDGET, Exporter
+from repo_paths import ROOT
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
@@ -83,7 +84,7 @@ def test_prometheus_scrapes_the_exporter(tmp_path):
         free = query(port, 'kvcached_device_free_bytes{device="cpu"}')
         assert free and float(free[0]["value"][1]) <= BUDGET
         # Every query of the Grafana dashboard is valid PromQL for this server.
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "grafana_kvcached.json")) as f:
+        with open(os.path.join(ROOT, "docs", "grafana_kvcached.json")) as f:
             exprs = [t["expr"] for p in json.load(f)["panels"] for t in p["targets"]]
         for e in exprs:
             query(port, e.replace("$device", "cpu"))

@@ -7,7 +7,7 @@ a socket to fail fast too, well inside the timeout.
 The coordinators here use T = 30 s (KVCACHED_IPC_TIMEOUT): waiting out T, or the
 3 T recovery, fails the generous bounds below.
 
-``python tests/test_tp_ipc_dead_peer.py`` prints how long each case takes at the
+``python tests/ipc/test_tp_ipc_dead_peer.py`` prints how long each case takes at the
 default KVCACHED_IPC_TIMEOUT (10 s), for comparing implementations.
 """
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,8 +11,7 @@ import pytest
 
 from kvcached.router.config import ConfigError, load_config, parse_config
 from kvcached.router.engines import engine_command, engine_env
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo_paths import ROOT
 
 
 def _model(tmp_path, **kw):

@@ -60,7 +60,8 @@ def test_processes_starting_cold_exclude_each_other(base, tmp_path):
 
 
 def test_with_the_plain_name_not_a_regular_file_a_random_name_is_made_once(base, tmp_path):
-    os.mkdir(base)  # not a file the lock can take (another user's file behaves the same: tests/test_security_users.py)
+    # Not a file the lock can take (another user's file behaves the same: tests/limits/test_security_users.py).
+    os.mkdir(base)
     try:
         assert _race(base, tmp_path) == 4 * ROUNDS
         made = [p for p in UserLock(base).paths if p != base]

@@ -14,8 +14,8 @@ import pytest
 
 from kvcached.errors import InvalidArgumentError
 from kvcached.integration import families
+from repo_paths import ROOT
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
 README = os.path.join(ROOT, "README.md")
 
 

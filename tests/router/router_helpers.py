@@ -1,4 +1,4 @@
-"""The router in this process over stand-in engine processes (tests/test_router_standin.py),
+"""The router in this process over stand-in engine processes (tests/router/test_router_standin.py),
 and the HTTP helpers the router tests share; the ``running`` fixture is in conftest.py."""
 
 from __future__ import annotations

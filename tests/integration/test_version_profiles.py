@@ -8,7 +8,9 @@ import importlib
 import os
 import re
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+from repo_paths import ROOT
+
+README = os.path.join(ROOT, "README.md")
 
 
 def test_a_new_minor_whose_seams_did_not_move_is_one_line_of_the_profile(monkeypatch):

@@ -1,5 +1,5 @@
 """The router's ``sleep: engine`` with kvcached and ``max_awake`` (more models than the
-device holds), over real stand-in engine processes (tests/test_router_standin.py):
+device holds), over real stand-in engine processes (tests/router/test_router_standin.py):
 the least recently used idle model is put to sleep through its engine's own endpoint
 before another wakes, a model held back at start is started by its first request, a
 wake restores the engine before the request is sent, wakes show in /metrics, and the
