@@ -31,11 +31,11 @@ from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log, start_server, start_sglang_server, wait_all, write_json  # noqa: E402
+from limits import check_limit, sglang_complete  # noqa: E402
 
 from kvcached.bench.engine_view import COLUMNS, scrape, view  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
 from kvcached.units import parse_size  # noqa: E402
-from limits import check_limit, sglang_complete  # noqa: E402
 
 # `vllm bench serve` itself (its CLI wrapper needs the `vllm` distribution name,
 # which the CPU wheel does not have).
