@@ -6,9 +6,10 @@ Layout: the folders mirror the package (``tests/limits`` tests ``kvcached/limits
 ``tests/manager`` the KV cache manager and page allocator, ...); tests of a module at
 the package root (``kvcached/config.py``) and of the whole package sit here. A folder's
 own fixtures are in its conftest.py; the helpers tests of several folders import
-(``limits_helpers``, ``vmm_helpers``, ...) are in ``tests/helpers/``, put on ``sys.path``
-below. Test file names are unique across the folders (pytest's default import mode
-needs it; ``test_architecture.py`` checks it)."""
+(``limits_helpers``, ``metrics_helpers``, ``vmm_helpers``, ...) are in ``tests/helpers/``, put on
+``sys.path`` below; a test module imports no test module of another folder. The folders
+are not packages: test file names stay unique across them (pytest's default import mode
+refuses two test modules of one name)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from kvcached import _C, vmm_ops
+from kvcached import vmm_ops
 from kvcached.ipc import listener as listener_mod
 from kvcached.ipc import protocol
 from kvcached.ipc.coordinator import TPCoordinator
@@ -32,15 +32,6 @@ PAGE = 64 * 1024
 
 def new_name() -> str:
     return f"s{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def plane():
-    _C.clear_faults()
-    vmm_ops.init_kvcached("cpu", page_size=PAGE, contiguous_layout=False)
-    caps = _C.create_kv_tensors(16 * PAGE, 2, 2, 0)
-    yield caps
-    vmm_ops.shutdown_kvcached()
 
 
 def serve(frame_timeout: float):

@@ -36,17 +36,6 @@ def new_name() -> str:
 
 
 @pytest.fixture
-def plane():
-    _C.clear_faults()
-    vmm_ops.init_kvcached("cpu", page_size=PAGE, contiguous_layout=False)
-    caps = _C.create_kv_tensors(16 * PAGE, 2, 2, 0)
-    yield caps
-    faults.clear()
-    _C.clear_faults()
-    vmm_ops.shutdown_kvcached()
-
-
-@pytest.fixture
 def served(plane):
     name = new_name()
     lst = WorkerListener(0, 0, name, frame_timeout=0.3).start()

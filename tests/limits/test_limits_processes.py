@@ -18,23 +18,9 @@ import pytest
 from kvcached import _C
 from kvcached.control import set_instance_memory_limit
 from kvcached.limits import DeviceBudget
-from limits_helpers import BPP, Worker, kvctl, kvctl_list_json, record_state
+from limits_helpers import BPP, kvctl, kvctl_list_json, record_state
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def workers():
-    made = []
-
-    def start(**cfg):
-        w = Worker(**cfg)
-        made.append(w)
-        return w
-
-    yield start
-    for w in made:
-        w.kill()
 
 
 def test_two_instances_grow_and_shrink_under_changing_limits(prefix, workers):

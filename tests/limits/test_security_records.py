@@ -21,21 +21,7 @@ import pytest
 
 from kvcached import _C
 from kvcached.limits import DeviceBudget, list_records
-from limits_helpers import BPP, Worker, kvctl, peek, poke, shm_path
-
-
-@pytest.fixture
-def workers():
-    made = []
-
-    def start(**cfg):
-        w = Worker(**cfg)
-        made.append(w)
-        return w
-
-    yield start
-    for w in made:
-        w.kill()
+from limits_helpers import BPP, kvctl, peek, poke, shm_path
 
 
 def _wait(pred, what: str, timeout: float = 10.0) -> None:

@@ -16,16 +16,14 @@ import urllib.request
 from typing import Dict, Tuple
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvcached import _C
 from kvcached.limits.budget import WANT_TTL_S
-from kvcached.metrics import KvcachedCollector, exporter
+from kvcached.metrics import exporter
 from limits_helpers import BPP, Worker, kvctl, kvctl_list_json, poke
+from metrics_helpers import BUDGET, Exporter, Samples, parse, scrape, value
 from repo_paths import ROOT
 
-BUDGET = 8 * BPP
 FIELDS = {  # metric -> the `kvctl list --json` key it shows
     "kvcached_limit_bytes": "limit",
     "kvcached_granted_bytes": "granted",
@@ -37,26 +35,6 @@ FIELDS = {  # metric -> the `kvctl list --json` key it shows
     "kvcached_quarantined_bytes": "quarantined",
     "kvcached_limit_revision": "revision",
 }
-
-Samples = Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]
-
-
-def parse(text: str) -> Samples:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
-
-
-def scrape(prefix: str) -> Samples:
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(KvcachedCollector(prefix=prefix))
-    return parse(generate_latest(reg).decode())
-
-
-def value(samples: Samples, metric: str, **labels: str) -> float:
-    return samples[(metric, tuple(sorted(labels.items())))]
 
 
 def listed(prefix: str) -> Dict[str, dict]:
@@ -186,31 +164,6 @@ def test_dead_and_invalid_records(prefix):
 
 
 # ------------------------------------------------------------------ the exporter
-
-
-class Exporter:
-    """`kvctl metrics` in a child process, as an operator runs it."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcached.cli.kvctl", "metrics", "--port", "0", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        line = self.proc.stdout.readline()
-        assert "serving http://" in line, (line, self.proc.stderr.read())
-        self.url = line.split()[3]
-        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
-
-    def get(self, path: str = "/metrics") -> str:
-        with urllib.request.urlopen(self.url.replace("/metrics", path), timeout=30) as r:
-            return r.read().decode()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from test_metrics import BUDGET, Exporter
 
 from limits_helpers import BPP, Worker, remove_records, unique_prefix
+from metrics_helpers import BUDGET, Exporter
 from repo_paths import ROOT
 
 PROMETHEUS = shutil.which("prometheus")

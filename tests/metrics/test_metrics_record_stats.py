@@ -14,7 +14,6 @@ import sys
 import time
 
 import pytest
-from test_metrics import Exporter, parse, scrape, value
 
 from kvcached import _C
 from kvcached.limits import DeviceBudget
@@ -29,6 +28,7 @@ from limits_helpers import (
     poke,
     shm_path,
 )
+from metrics_helpers import Exporter, parse, scrape, value
 
 BUDGET = 8 * BPP
 

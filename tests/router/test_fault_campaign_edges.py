@@ -20,8 +20,8 @@ import threading
 import urllib.request
 
 import pytest
-from test_metrics import Exporter
 
+from metrics_helpers import Exporter
 from router_helpers import BOUND_S, complete, wait_for
 
 pytestmark = pytest.mark.slow
