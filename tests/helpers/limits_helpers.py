@@ -118,7 +118,7 @@ def remove_records(prefix: str) -> None:
             except _C.KvcachedError:
                 pass
     # And what no record API lists: a record truncated to 0 bytes, a name squatted by
-    # another user, the other test users' budget locks of this scope (tests/test_security_*).
+    # another user, the other test users' budget locks of this scope (tests/limits/test_security_*).
     scope_tag = os.path.basename(DeviceBudget("cpu", 1, scope=prefix).lock_path).rsplit("-", 1)[1].split(".")[0]
     for name in os.listdir("/dev/shm"):
         if name.startswith(prefix) or (name.startswith("kvcached-budget-u") and f"-{scope_tag}." in name):
