@@ -2,7 +2,7 @@
 
     cd tests && PYTHONPATH=.. ../.venvs/kvcached/bin/python ../scripts/measure_borrow.py
 
-The engine is tests/borrow_engine.py (the elastic runtime with a prefix cache, 256 KiB
+The engine is tests/borrowing/borrow_engine.py (the elastic runtime with a prefix cache, 256 KiB
 of budget per page) in its own process on a budget of N + 10 pages, scoped to this run;
 each round it caches N pages, goes idle, and this process times ``reserve(N pages)``
 until it returns (want published, peers woken, the cache evicted, the bytes held).
@@ -19,7 +19,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
-sys.path.insert(0, TESTS)
+sys.path.insert(0, os.path.join(TESTS, "helpers"))  # limits_helpers
 
 from kvcached.borrowing import reserve  # noqa: E402
 from kvcached.limits import DeviceBudget  # noqa: E402
@@ -34,7 +34,7 @@ def measure(pages: int) -> list:
     budget_bytes = (pages + 10) * BPP
     cfg = dict(name=prefix + "e", scope=prefix, budget_bytes=budget_bytes, blocks=4 * (pages + 12))
     engine = subprocess.Popen(
-        [sys.executable, os.path.join(TESTS, "borrow_engine.py"), json.dumps(cfg)],
+        [sys.executable, os.path.join(TESTS, "borrowing", "borrow_engine.py"), json.dumps(cfg)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

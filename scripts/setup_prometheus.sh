@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Prometheus server (Debian's `prometheus` package) for
-# tests/test_metrics_prometheus.py, which skips when the binary is absent.
+# tests/metrics/test_metrics_prometheus.py, which skips when the binary is absent.
 # Idempotent: does nothing when `prometheus` is already on PATH. Only the
 # binary is used; the package's own service is not started by the tests
 # (on a machine with systemd the package enables one: stop it if unwanted).

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 VENV="${KVCACHED_TEST_VENV:-.venvs/kvcached}"
 bash scripts/setup_env.sh "$VENV"
 # The Prometheus server for the metrics test (Debian package; the test skips without it).
-bash scripts/setup_prometheus.sh || echo "[test] prometheus could not be installed: tests/test_metrics_prometheus.py skips"
+bash scripts/setup_prometheus.sh || echo "[test] prometheus could not be installed: tests/metrics/test_metrics_prometheus.py skips"
 echo "[test] ruff (lint + format)"
 "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check .
 echo "[test] running pytest"

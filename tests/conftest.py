@@ -1,10 +1,24 @@
 """Shared fixtures. Every data-plane test runs on the host backend, and again on
 the CUDA backend (marker ``gpu``) where a GPU is present; it skips cleanly
-without one."""
+without one.
+
+Layout: the folders mirror the package (``tests/limits`` tests ``kvcached/limits``,
+``tests/manager`` the KV cache manager and page allocator, ...); tests of a module at
+the package root (``kvcached/config.py``) and of the whole package sit here. A folder's
+own fixtures are in its conftest.py; the helpers tests of several folders import
+(``limits_helpers``, ``metrics_helpers``, ``vmm_helpers``, ...) are in ``tests/helpers/``, put on
+``sys.path`` below; a test module imports no test module of another folder. The folders
+are not packages: test file names stay unique across them (pytest's default import mode
+refuses two test modules of one name)."""
 
 from __future__ import annotations
 
 import os
+import sys
+
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 # Tests read device memory from the driver (total - free). With lazy module
 # loading, the first launch of each torch kernel allocates device memory for
@@ -59,20 +73,3 @@ def prefix():
     p = unique_prefix()
     yield p
     remove_records(p)
-
-
-@pytest.fixture
-def running(tmp_path):
-    """Routers over stand-in engines (``router_helpers.Running``), closed after the test."""
-    from router_helpers import Running
-
-    made = []
-
-    def make(models, **top):
-        r = Running(tmp_path, models, **top)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close()

@@ -8,7 +8,7 @@ block_size, kv_heads, dim) with unit stride on ``dim``; ``block_table``
 dim) in float32. One program per (sequence, head); online softmax over blocks.
 
 Not used by serving (the engines bring their own kernels): it is the kernel of
-``python -m kvcached.bench attention`` and tests/test_gpu_attention.py, which
+``python -m kvcached.bench attention`` and tests/gpu/test_gpu_attention.py, which
 prove that elastic KV reads the same as native memory under a real kernel.
 """
 

@@ -127,7 +127,7 @@ class RouterHandler(BaseHTTPRequestHandler):
     # waited for the client's delayed ACK (40 ms a request; python -m kvcached.bench router).
     disable_nagle_algorithm = True
     # An unparsable request line was answered HTTP/0.9-style (a bare HTML body, no
-    # status line): a client gets "HTTP/1.1 400" instead (tests/test_fault_campaign_edges.py).
+    # status line): a client gets "HTTP/1.1 400" instead (tests/router/test_fault_campaign_edges.py).
     default_request_version = "HTTP/1.1"
     server: RouterServer
     timeout = CLIENT_TIMEOUT_S  # each read from or write to the client

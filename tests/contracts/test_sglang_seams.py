@@ -25,8 +25,6 @@ Why this module is long: the contract table (one entry per SGLang name a patch r
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -36,7 +34,6 @@ import pytest
 from kvcached.integration.sglang import profile as sglang_profile
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from seam_ast import (  # noqa: E402
@@ -55,6 +52,7 @@ from seam_ast import (  # noqa: E402
     sets_attrs,
     signature,
 )
+from seam_harness import ROOT, EngineSeams, run_as_script  # noqa: E402
 from sglang_checks import (  # noqa: E402
     constant,
     fields_declared,
@@ -704,51 +702,15 @@ CLASSES: Dict[str, List[Item]] = {
 }
 
 
-# ----------------------------------------------------------------- sources
+# ----------------------------------------------------------------- harness
 
 # Every release of the supported range, newest patch of 0.5.15 too (pip index versions sglang).
 VERSIONS = list(sglang_profile.RELEASES)  # every supported release (kvcached/integration/sglang/profile.py)
-
-_engine_sources = None
-_trees: Dict[str, Tree] = {}
-
-
-def engine_sources():
-    global _engine_sources
-    if _engine_sources is None:
-        spec = importlib.util.spec_from_file_location("engine_sources", ROOT / "scripts" / "engine_sources.py")
-        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(mod)  # type: ignore[union-attr]
-        _engine_sources = mod
-    return _engine_sources
-
-
-def tree_of(version: str, download: Optional[bool] = None) -> Tree:
-    """The parsed source tree of SGLang ``version``; skips the test when it is not cached (fails when the
-    sources are required: ``KVCACHED_REQUIRE_SEAM_SOURCES=1``)."""
-    if version in _trees:
-        return _trees[version]
-    es = engine_sources()
-    if download is None:
-        download = os.environ.get("KVCACHED_REQUIRE_SEAM_SOURCES") == "1"
-    try:
-        root = es.ensure_source("sglang", version, download=download)
-    except es.SourceUnavailable as e:
-        # Under scripts/test.sh (CI) the sources are required: a contract that cannot run fails.
-        (pytest.fail if download else pytest.skip)(
-            f"SGLang {version} source not cached ({e}); "
-            f"python scripts/engine_sources.py sglang {version}, or KVCACHED_REQUIRE_SEAM_SOURCES=1"
-        )
-    _trees[version] = Tree(root, "sglang")
-    return _trees[version]
 
 
 def run_items(items: List[Item], tree: Tree, version: str) -> List[Tuple[str, Finding]]:
     v = parse_version(version)
     return [(label, check(tree)) for label, check, when in items if when is None or v in when]
-
-
-# ------------------------------------------------------------------- tests
 
 
 def _patches():
@@ -763,30 +725,22 @@ def _known_breaks() -> Dict[Tuple[str, str], str]:
     return KNOWN_BREAKS
 
 
-def _patch_cases():
-    cases = []
-    for p in _patches():
-        for v in VERSIONS:
-            in_range = parse_version(v) in p.versions
-            why = _known_breaks().get((p.name, v))
-            marks = [pytest.mark.xfail(strict=True, reason=why)] if why and not in_range else []
-            cases.append(pytest.param(p.name, v, in_range, id=f"{p.name}-{v}", marks=marks))
-    return cases
+SEAMS = EngineSeams("sglang", "SGLang", VERSIONS, _patches, _known_breaks)
+tree_of = SEAMS.tree_of
 
 
-@pytest.mark.parametrize("patch_name,version,in_range", _patch_cases())
+# ------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("patch_name,version,in_range", SEAMS.patch_cases())
 def test_seam_contract(patch_name: str, version: str, in_range: bool) -> None:
-    findings = run_items(PATCHES[patch_name], tree_of(version), version)
-    bad = [f"{label}: {f}" for label, f in findings if not f.ok]
-    state = "claimed" if in_range else "not claimed"
-    assert not bad, f"SGLang {version} ({state} by {patch_name}):\n  " + "\n  ".join(bad)
+    SEAMS.assert_patch_holds(patch_name, version, in_range, run_items(PATCHES[patch_name], tree_of(version), version))
 
 
 @pytest.mark.parametrize("group", sorted(CLASSES))
 @pytest.mark.parametrize("version", VERSIONS)
 def test_version_neutral_contract(group: str, version: str) -> None:
-    bad = [f"{label}: {f}" for label, f in run_items(CLASSES[group], tree_of(version), version) if not f.ok]
-    assert not bad, f"SGLang {version} ({group}):\n  " + "\n  ".join(bad)
+    SEAMS.assert_holds(run_items(CLASSES[group], tree_of(version), version), version, group)
 
 
 def test_every_patch_has_a_contract() -> None:
@@ -812,27 +766,20 @@ def test_known_breaks_cover_exactly_the_checked_versions() -> None:
 
 
 def main() -> int:
-    download = "--download" in sys.argv
-    verbose = "-v" in sys.argv
-    groups = [(p.name, p.versions, PATCHES[p.name]) for p in _patches()]
-    groups += [(g, None, items) for g, items in sorted(CLASSES.items())]
-    for name, versions, items in groups:
-        print(f"## {name}" + (f" (claims {versions})" if versions else " (version-neutral)"))
-        for v in VERSIONS:
-            try:
-                tree = tree_of(v, download=download)
-            except BaseException as e:  # pytest.skip outside pytest
-                print(f"  {v}: source not cached ({e})")
-                continue
-            findings = run_items(items, tree, v)
-            bad = [(label, f) for label, f in findings if not f.ok]
-            mark = "" if versions is None else (" [in range]" if parse_version(v) in versions else " [outside]")
-            print(f"  {v}{mark} {'OK' if not bad else 'BROKEN'}")
-            for label, f in findings if verbose else bad:
-                print(f"      {label}: {f}")
-    return 0
+    groups = [
+        (
+            f"{p.name} (claims {p.versions})",
+            p.versions,
+            lambda tree, v, items=PATCHES[p.name]: run_items(items, tree, v),
+        )
+        for p in _patches()
+    ]
+    groups += [
+        (f"{g} (version-neutral)", None, lambda tree, v, items=items: run_items(items, tree, v))
+        for g, items in sorted(CLASSES.items())
+    ]
+    return SEAMS.print_table(groups, sys.argv)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    sys.exit(main())
+    run_as_script(main)

@@ -32,8 +32,6 @@ Why this module is long: the contract table (one entry per vLLM name a patch rel
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -43,7 +41,6 @@ import pytest
 from kvcached.integration.vllm import profile as vllm_profile
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from seam_ast import (  # noqa: E402
@@ -70,6 +67,7 @@ from seam_ast import (  # noqa: E402
     signature,
     subclass,
 )
+from seam_harness import ROOT, EngineSeams, run_as_script  # noqa: E402
 
 # The newest patch release of each supported minor: the profile's (kvcached/integration/vllm/profile.py).
 VERSIONS = vllm_profile.sources()
@@ -689,44 +687,21 @@ ACTIVATION: List[Tuple[str, Check]] = [
 ]
 
 
-# ----------------------------------------------------------------- sources
-
-_engine_sources = None
-_trees: Dict[str, Tree] = {}
-
-
-def engine_sources():
-    global _engine_sources
-    if _engine_sources is None:
-        spec = importlib.util.spec_from_file_location("engine_sources", ROOT / "scripts" / "engine_sources.py")
-        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(mod)  # type: ignore[union-attr]
-        _engine_sources = mod
-    return _engine_sources
-
-
-def tree_of(version: str, download: Optional[bool] = None) -> Tree:
-    """The parsed source tree of vLLM ``version``; skips the test when it is not cached (fails when the
-    sources are required: ``KVCACHED_REQUIRE_SEAM_SOURCES=1``)."""
-    if version in _trees:
-        return _trees[version]
-    es = engine_sources()
-    if download is None:
-        download = os.environ.get("KVCACHED_REQUIRE_SEAM_SOURCES") == "1"
-    try:
-        root = es.ensure_source("vllm", version, download=download)
-    except es.SourceUnavailable as e:
-        # Under scripts/test.sh (CI) the sources are required: a contract that cannot run fails.
-        (pytest.fail if download else pytest.skip)(
-            f"vLLM {version} source not cached ({e}); "
-            f"python scripts/engine_sources.py vllm {version}, or KVCACHED_REQUIRE_SEAM_SOURCES=1"
-        )
-    _trees[version] = Tree(root, "vllm")
-    return _trees[version]
+# ----------------------------------------------------------------- harness
 
 
 def minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
+
+
+def _patches():
+    from kvcached.integration.vllm.versions import all_patches
+
+    return all_patches()
+
+
+SEAMS = EngineSeams("vllm", "vLLM", VERSIONS, _patches, _known_breaks, break_key=minor)
+tree_of = SEAMS.tree_of
 
 
 def run_contract(patch_name: str, tree: Tree) -> List[Tuple[str, Finding]]:
@@ -736,41 +711,15 @@ def run_contract(patch_name: str, tree: Tree) -> List[Tuple[str, Finding]]:
 # ------------------------------------------------------------------- tests
 
 
-def _patches():
-    from kvcached.integration.vllm.versions import all_patches
-
-    return all_patches()
-
-
-def _cases():
-    from kvcached.integration.patch_base import parse_version
-
-    cases = []
-    for p in _patches():
-        for v in VERSIONS:
-            marks = []
-            in_range = parse_version(v) in p.versions
-            why = _known_breaks().get((p.name, minor(v)))
-            if why and not in_range:
-                marks.append(pytest.mark.xfail(strict=True, reason=why))
-            cases.append(pytest.param(p.name, v, in_range, id=f"{p.name}-{v}", marks=marks))
-    return cases
-
-
-@pytest.mark.parametrize("patch_name,version,in_range", _cases())
+@pytest.mark.parametrize("patch_name,version,in_range", SEAMS.patch_cases())
 def test_seam_contract(patch_name: str, version: str, in_range: bool) -> None:
-    tree = tree_of(version)
-    findings = run_contract(patch_name, tree)
-    bad = [f"{label}: {f}" for label, f in findings if not f.ok]
-    state = "claimed" if in_range else "not claimed"
-    assert not bad, f"vLLM {version} ({state} by {patch_name}):\n  " + "\n  ".join(bad)
+    SEAMS.assert_patch_holds(patch_name, version, in_range, run_contract(patch_name, tree_of(version)))
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_activation_contract(version: str) -> None:
     tree = tree_of(version)
-    bad = [f"{label}: {check(tree)}" for label, check in ACTIVATION if not check(tree).ok]
-    assert not bad, f"vLLM {version}:\n  " + "\n  ".join(bad)
+    SEAMS.assert_holds([(label, check(tree)) for label, check in ACTIVATION], version)
 
 
 def test_every_patch_has_a_contract() -> None:
@@ -801,26 +750,16 @@ def test_known_breaks_cover_exactly_the_checked_minors() -> None:
 
 
 def main() -> int:
-    from kvcached.integration.patch_base import parse_version
-
-    download = "--download" in sys.argv
-    for p in _patches():
-        print(f"## {p.name} ({p.target_module}, claims {p.versions})")
-        for v in VERSIONS:
-            try:
-                tree = tree_of(v, download=download)
-            except BaseException as e:  # pytest.skip outside pytest
-                print(f"  {v}: source not cached ({e})")
-                continue
-            findings = run_contract(p.name, tree)
-            bad = [(label, f) for label, f in findings if not f.ok]
-            mark = "in range" if parse_version(v) in p.versions else "outside"
-            print(f"  {v} [{mark}] {'OK' if not bad else 'BROKEN'}")
-            for label, f in findings if "-v" in sys.argv else bad:
-                print(f"      {label}: {f}")
-    return 0
+    groups = [
+        (
+            f"{p.name} ({p.target_module}, claims {p.versions})",
+            p.versions,
+            lambda tree, v, n=p.name: run_contract(n, tree),
+        )
+        for p in _patches()
+    ]
+    return SEAMS.print_table(groups, sys.argv)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    sys.exit(main())
+    run_as_script(main)

@@ -6,7 +6,7 @@ range (a patch names the shape it needs: ``versions.py``), the known breaks of
 the seam contracts outside a patch's range (``versions.KNOWN_BREAKS``), the
 releases whose source the contracts read (``tests/contracts/test_vllm_seams.py``),
 CI's engine matrix (``scripts/test_engines.sh``) and the rows README's version
-table must have (``tests/test_vllm_integration_units.py``).
+table must have (``tests/integration/test_vllm_integration_units.py``).
 
 A new minor whose seams did not move is one line: ``"0.35": _like("0.34",
 source="0.35.0")``. One whose seams moved adds the new shape here, its

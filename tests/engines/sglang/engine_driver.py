@@ -289,7 +289,7 @@ LIMITS_WORKER = os.path.join(
 
 def peer_wants_memory(client: Any, record: Callable[[], Any], bpp: int) -> Dict[str, Any]:
     """W5: the engine idles with its prefix cache full; a peer instance (a real
-    kvcached instance in another process, tests/limits_worker.py) whose device
+    kvcached instance in another process, tests/helpers/limits_worker.py) whose device
     budget is what is mapped now (so the engine's pages fill it) wants as much
     as the engine maps: it publishes its want until the idle engine gives its
     pages back (giving back only unused budget and the reserve is not enough)."""

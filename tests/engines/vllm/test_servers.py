@@ -415,7 +415,7 @@ def test_the_engines_metrics_agree_with_kvctl_and_move_with_load(servers):
     assert (calls > 0) == (grew["pages_mapped"] > 0), (calls, grew)
     # Refusals by the limit are not asserted here: whether vLLM asks and is refused or waits
     # depends on the cache S1 starts from (0.29 at this position: none); the record's refusal
-    # counters are proven in tests/test_metrics_record_stats.py.
+    # counters are proven in tests/metrics/test_metrics_record_stats.py.
 
 
 def test_kill9_then_a_restart_under_the_same_name_replaces_the_dead_record_and_serves(servers):
