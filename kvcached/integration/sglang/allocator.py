@@ -107,12 +107,16 @@ class _ElasticAllocatorMixin:
         # allocation comes up short.
         self.kvcached_tree_cache: Any = None
         self._kvcached_shrinking = False  # over a lowered limit (see shrinking), for one log line per episode
+        # The hierarchical cache's copies in flight (hicache.HiCacheFence), once its controller is built.
+        self.kvcached_transfers: Any = None
 
     # -- counts -------------------------------------------------------------
     def available_size(self) -> int:
         # Logical: blocks never handed out (holes included, so the idle
-        # identity available + evictable + protected == size stays exact).
-        return (self._mgr.logical_free_size() + self._holes) * self.page_size
+        # identity available + evictable + protected == size stays exact);
+        # blocks freed while a hierarchical-cache copy holds them are free to SGLang.
+        held = self.kvcached_transfers.deferred() if self.kvcached_transfers is not None else 0
+        return (self._mgr.logical_free_size() + self._holes + held) * self.page_size
 
     def physical_available_size(self) -> int:
         """Tokens allocatable right now (mapped free slots + mappable pages under the limit);
@@ -244,6 +248,33 @@ class _ElasticAllocatorMixin:
         with step_timer().part("alloc"):
             return self._mgr.alloc(n)
 
+    # -- the manager's free, through the hierarchical cache's holds (hicache.py)
+    def _to_manager(self, ids: List[int]) -> None:
+        """Blocks back to the manager (their pages may empty); blocks a host<->device copy in
+        flight still reads or writes wait for it (``kvcached_release_held``)."""
+        if self.kvcached_transfers is not None:
+            ids = self.kvcached_transfers.defer(ids)
+        if ids:
+            self._mgr.free(ids)
+
+    def kvcached_release_held(self, ids: List[int]) -> None:
+        """Blocks freed while a copy held them, whose last copy finished: to the manager now."""
+        if ids:
+            self._mgr.free(ids)
+
+    def kvcached_blocks_of(self, device_indices: List[torch.Tensor]) -> List[int]:
+        """The manager blocks (SGLang pages) of token slots a copy reads or writes."""
+        ids = [t.reshape(-1).to(_INT64) for t in device_indices if t is not None and t.numel()]
+        if not ids:
+            return []
+        cat = torch.cat([t.cpu() for t in ids])
+        return torch.unique(cat // self.page_size).tolist()
+
+    def _kvcached_wait_transfers(self) -> None:
+        """Before a clear (flush): every copy in flight finishes first (its pages must stay mapped)."""
+        if getattr(self, "kvcached_transfers", None) is not None:
+            self.kvcached_transfers.wait_all()
+
     def _ids_tensor(self, ids: List[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=_INT64, device=self.device)
 
@@ -285,7 +316,8 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
     def clear(self) -> None:
         # Flush (and construction): every slot back (the spare ones too: the
         # manager still counts them as handed out), pages retired until the
-        # scheduler releases them.
+        # scheduler releases them. Copies in flight finish first.
+        self._kvcached_wait_transfers()
         self._mgr.clear()
         self._spare = self._spare[:0]
         self._kv_pending = None
@@ -298,7 +330,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         if n:
             ids = self._spare.tolist()
             self._spare = self._spare[:0]
-            self._mgr.free(ids)
+            self._to_manager(ids)
         return n
 
     def available_size(self) -> int:
@@ -342,7 +374,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         over = spare.numel() - self._spare_cap
         if over > 0:
             # The oldest go back to the manager (their pages may empty).
-            self._mgr.free(spare[:over].tolist())
+            self._to_manager(spare[:over].tolist())
             spare = spare[over:]
         self._spare = spare
 
@@ -385,6 +417,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
             self._kv_triton = torch.device(device).type == "cuda"
 
     def clear(self) -> None:
+        self._kvcached_wait_transfers()
         self._mgr.clear()
         self._kv_pending = None
         self.free_pages = None
@@ -478,4 +511,4 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
 
     def _release(self, page_ids: torch.Tensor) -> None:
         if page_ids.numel():
-            self._mgr.free(page_ids.tolist())
+            self._to_manager(page_ids.tolist())
