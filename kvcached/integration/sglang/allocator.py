@@ -45,6 +45,7 @@ from sglang.srt.utils import get_num_new_pages, next_power_of_2
 from kvcached.integration import families
 from kvcached.integration.sglang import conflicts
 from kvcached.integration.sglang.eviction import evict_until
+from kvcached.integration.sglang.hicache import wait_transfers
 from kvcached.integration.sglang.pool import ElasticGroup, group_of, is_elastic_pool
 from kvcached.integration.sglang.step_timing import step_timer
 
@@ -112,9 +113,8 @@ class _ElasticAllocatorMixin:
 
     # -- counts -------------------------------------------------------------
     def available_size(self) -> int:
-        # Logical: blocks never handed out (holes included, so the idle
-        # identity available + evictable + protected == size stays exact);
-        # blocks freed while a hierarchical-cache copy holds them are free to SGLang.
+        # Logical: blocks never handed out (holes, and blocks a host copy holds after SGLang
+        # freed them, included: the idle identity available + evictable + protected == size).
         held = self.kvcached_transfers.deferred() if self.kvcached_transfers is not None else 0
         return (self._mgr.logical_free_size() + self._holes + held) * self.page_size
 
@@ -248,10 +248,9 @@ class _ElasticAllocatorMixin:
         with step_timer().part("alloc"):
             return self._mgr.alloc(n)
 
-    # -- the manager's free, through the hierarchical cache's holds (hicache.py)
+    # -- the manager's free, through the hierarchical cache's holds (hicache.py) -----
     def _to_manager(self, ids: List[int]) -> None:
-        """Blocks back to the manager (their pages may empty); blocks a host<->device copy in
-        flight still reads or writes wait for it (``kvcached_release_held``)."""
+        """Blocks back to the manager (pages may empty); those a host copy in flight holds wait for it."""
         if self.kvcached_transfers is not None:
             ids = self.kvcached_transfers.defer(ids)
         if ids:
@@ -261,19 +260,6 @@ class _ElasticAllocatorMixin:
         """Blocks freed while a copy held them, whose last copy finished: to the manager now."""
         if ids:
             self._mgr.free(ids)
-
-    def kvcached_blocks_of(self, device_indices: List[torch.Tensor]) -> List[int]:
-        """The manager blocks (SGLang pages) of token slots a copy reads or writes."""
-        ids = [t.reshape(-1).to(_INT64) for t in device_indices if t is not None and t.numel()]
-        if not ids:
-            return []
-        cat = torch.cat([t.cpu() for t in ids])
-        return torch.unique(cat // self.page_size).tolist()
-
-    def _kvcached_wait_transfers(self) -> None:
-        """Before a clear (flush): every copy in flight finishes first (its pages must stay mapped)."""
-        if getattr(self, "kvcached_transfers", None) is not None:
-            self.kvcached_transfers.wait_all()
 
     def _ids_tensor(self, ids: List[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=_INT64, device=self.device)
@@ -317,7 +303,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         # Flush (and construction): every slot back (the spare ones too: the
         # manager still counts them as handed out), pages retired until the
         # scheduler releases them. Copies in flight finish first.
-        self._kvcached_wait_transfers()
+        wait_transfers(self)
         self._mgr.clear()
         self._spare = self._spare[:0]
         self._kv_pending = None
@@ -417,7 +403,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
             self._kv_triton = torch.device(device).type == "cuda"
 
     def clear(self) -> None:
-        self._kvcached_wait_transfers()
+        wait_transfers(self)
         self._mgr.clear()
         self._kv_pending = None
         self.free_pages = None

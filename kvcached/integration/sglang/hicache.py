@@ -75,7 +75,7 @@ class HiCacheFence:
 
     def begin(self, kind: str, device_indices: List[Any], finish_event: Any) -> None:
         """A copy of ``device_indices`` (token slots) was submitted; it ends with ``finish_event``."""
-        blocks = self.allocator.kvcached_blocks_of(device_indices)
+        blocks = blocks_of(device_indices, self.allocator.page_size)
         if not blocks:
             return
         job = (kind, next(self._ids))
@@ -118,6 +118,21 @@ class HiCacheFence:
         self.holds = TransferHolds(self.holds.timeout_s, name=self.holds.name)
 
 
+def blocks_of(device_indices: List[Any], page_size: int) -> List[int]:
+    """The manager blocks (SGLang pages) of the token slots a copy reads or writes."""
+    import torch
+
+    ids = [t.reshape(-1).to(torch.int64).cpu() for t in device_indices if t is not None and t.numel()]
+    return torch.unique(torch.cat(ids) // page_size).tolist() if ids else []
+
+
+def wait_transfers(allocator: Any) -> None:
+    """Before an allocator clears (flush): every copy in flight finishes first (its pages stay mapped)."""
+    fence = getattr(allocator, "kvcached_transfers", None)
+    if fence is not None:
+        fence.wait_all()
+
+
 def _fence_of(controller: Any) -> Any:
     return getattr(controller, _ATTR, None)
 
@@ -127,14 +142,14 @@ def attach(controller: Any) -> None:
     allocator is one of kvcached's; a hybrid pool kvcached backs is refused (start-up)."""
     if _fence_of(controller) is not None:
         return
-    from kvcached.integration.sglang.allocator import _ElasticAllocatorMixin
     from kvcached.integration.sglang.conflicts import refuse
     from kvcached.integration.sglang.pool import is_elastic_pool
 
     alloc = getattr(controller, "mem_pool_device_allocator", None)
     kvcache = alloc.get_kvcache() if hasattr(alloc, "get_kvcache") else None
     hybrid = type(kvcache).__name__ == "HybridLinearKVPool"
-    if isinstance(alloc, _ElasticAllocatorMixin) and not hybrid:
+    # kvcached's token/paged allocators (allocator.py) take the fence; the SWA composite has none.
+    if hasattr(alloc, "kvcached_transfers") and hasattr(alloc, "kvcached_group") and not hybrid:
         fence = HiCacheFence(alloc)
         setattr(controller, _ATTR, fence)
         alloc.kvcached_transfers = fence
