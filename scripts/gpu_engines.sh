@@ -47,6 +47,9 @@
 #   sglang-correctness-limit
 #                deterministic inference, kvctl limit 6G (a third of the load's need): retraction
 #                and radix eviction all the time; the control is native with a pool that small
+#   sglang-hicache          sglang-correctness-limit with --enable-hierarchical-cache (write_through,
+#                a 16 GB host pool) on every engine: pages evicted under the 6G limit go to host
+#                memory and prefix hits load back; the control is native with a pool that small
 #   sglang-limits           kvctl limit lowered while decoding, raised again
 #   sglang-overhead         sglang.bench_serving native vs kvcached, paired rounds
 #   sglang-mla              the MLA model: native vs kvcached vs native-2
@@ -160,6 +163,9 @@ for step in "${steps[@]}"; do
       --page-size 16 --only native,kvcached,native-2 ;;
     sglang-correctness-limit) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
       --limit 6G --only native-det,kvcached-limit,native-small ;;
+    sglang-hicache) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
+      --limit 6G --only native-det,kvcached-limit,native-small -- --enable-hierarchical-cache --hicache-size 16 \
+      --hicache-write-policy write_through ;;
     sglang-limits) run_sglang "$step" $proof/limits.py --engine sglang --model "$big" ;;
     # KVCACHED_PROOF_VARIANTS here: none unless set (e.g. premapped:KVCACHED_MIN_RESERVED_PAGES=64,...).
     sglang-overhead)
@@ -176,7 +182,7 @@ for step in "${steps[@]}"; do
     sleep-engine|sleep-engine-stop)
       if [ "$step" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
       run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-limits sglang-overhead sglang-mla mixed router-mixed sleep-engine sleep-engine-stop)" >&2
+    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla mixed router-mixed sleep-engine sleep-engine-stop)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

@@ -83,6 +83,7 @@ BATCH = "sglang.srt.managers.schedule_batch"
 SCHED = "sglang.srt.managers.scheduler"
 BUDGET = "sglang.srt.mem_cache.prefill_budget"
 WU = "sglang.srt.managers.scheduler_components.weight_updater"
+CC = "sglang.srt.managers.cache_controller"
 
 FROM_0519 = VersionRange.parse(">=0.5.19,<0.6")
 FROM_0521 = VersionRange.parse(">=0.5.21,<0.6")
@@ -417,6 +418,29 @@ PATCHES: Dict[str, List[Item]] = {
             ),
         ),
         item("kvcached_report runs through collective_rpc", calls_in(SCHED, "Scheduler.handle_rpc_request", "getattr")),
+    ],
+    "sglang-hicache": [
+        item(
+            "HiCacheController: copies submitted by start_writing/start_loading, acks with a finish_event",
+            all_of(
+                has_methods(CC, "HiCacheController", ["__init__", "write", "load", "start_writing", "start_loading"]),
+                sets_attrs(
+                    CC,
+                    "HiCacheController",
+                    ["mem_pool_device_allocator", "write_queue", "load_queue", "ack_write_queue", "ack_load_queue"],
+                ),
+                calls_in(CC, "HiCacheController.start_writing", ".append"),
+                calls_in(CC, "HiCacheController.start_loading", ".append"),
+                mentions(CC, "HiCacheController.start_writing", "device_indices"),
+                class_member(CC, "HiCacheAck", "finish_event"),
+            ),
+        ),
+        item(
+            "--enable-hierarchical-cache / --hicache-size",
+            fields_declared(
+                SA, "ServerArgs", ["enable_hierarchical_cache", "hicache_size"], "sglang.srt.arg_groups.fields"
+            ),
+        ),
     ],
     "sglang-memory-saver": [
         item(

@@ -45,6 +45,7 @@ from sglang.srt.utils import get_num_new_pages, next_power_of_2
 from kvcached.integration import families
 from kvcached.integration.sglang import conflicts
 from kvcached.integration.sglang.eviction import evict_until
+from kvcached.integration.sglang.hicache import wait_transfers
 from kvcached.integration.sglang.pool import ElasticGroup, group_of, is_elastic_pool
 from kvcached.integration.sglang.step_timing import step_timer
 
@@ -107,12 +108,15 @@ class _ElasticAllocatorMixin:
         # allocation comes up short.
         self.kvcached_tree_cache: Any = None
         self._kvcached_shrinking = False  # over a lowered limit (see shrinking), for one log line per episode
+        # The hierarchical cache's copies in flight (hicache.HiCacheFence), once its controller is built.
+        self.kvcached_transfers: Any = None
 
     # -- counts -------------------------------------------------------------
     def available_size(self) -> int:
-        # Logical: blocks never handed out (holes included, so the idle
-        # identity available + evictable + protected == size stays exact).
-        return (self._mgr.logical_free_size() + self._holes) * self.page_size
+        # Logical: blocks never handed out (holes, and blocks a host copy holds after SGLang
+        # freed them, included: the idle identity available + evictable + protected == size).
+        held = self.kvcached_transfers.deferred() if self.kvcached_transfers is not None else 0
+        return (self._mgr.logical_free_size() + self._holes + held) * self.page_size
 
     def physical_available_size(self) -> int:
         """Tokens allocatable right now (mapped free slots + mappable pages under the limit);
@@ -244,6 +248,19 @@ class _ElasticAllocatorMixin:
         with step_timer().part("alloc"):
             return self._mgr.alloc(n)
 
+    # -- the manager's free, through the hierarchical cache's holds (hicache.py) -----
+    def _to_manager(self, ids: List[int]) -> None:
+        """Blocks back to the manager (pages may empty); those a host copy in flight holds wait for it."""
+        if self.kvcached_transfers is not None:
+            ids = self.kvcached_transfers.defer(ids)
+        if ids:
+            self._mgr.free(ids)
+
+    def kvcached_release_held(self, ids: List[int]) -> None:
+        """Blocks freed while a copy held them, whose last copy finished: to the manager now."""
+        if ids:
+            self._mgr.free(ids)
+
     def _ids_tensor(self, ids: List[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=_INT64, device=self.device)
 
@@ -285,7 +302,8 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
     def clear(self) -> None:
         # Flush (and construction): every slot back (the spare ones too: the
         # manager still counts them as handed out), pages retired until the
-        # scheduler releases them.
+        # scheduler releases them. Copies in flight finish first.
+        wait_transfers(self)
         self._mgr.clear()
         self._spare = self._spare[:0]
         self._kv_pending = None
@@ -298,7 +316,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         if n:
             ids = self._spare.tolist()
             self._spare = self._spare[:0]
-            self._mgr.free(ids)
+            self._to_manager(ids)
         return n
 
     def available_size(self) -> int:
@@ -342,7 +360,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
         over = spare.numel() - self._spare_cap
         if over > 0:
             # The oldest go back to the manager (their pages may empty).
-            self._mgr.free(spare[:over].tolist())
+            self._to_manager(spare[:over].tolist())
             spare = spare[over:]
         self._spare = spare
 
@@ -385,6 +403,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
             self._kv_triton = torch.device(device).type == "cuda"
 
     def clear(self) -> None:
+        wait_transfers(self)
         self._mgr.clear()
         self._kv_pending = None
         self.free_pages = None
@@ -478,4 +497,4 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
 
     def _release(self, page_ids: torch.Tensor) -> None:
         if page_ids.numel():
-            self._mgr.free(page_ids.tolist())
+            self._to_manager(page_ids.tolist())

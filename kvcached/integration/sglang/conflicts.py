@@ -89,8 +89,18 @@ def server_args_conflicts(args: Any) -> List[UnsupportedConfigurationError]:
                 "drop --disaggregation-mode",
             )
         )
+    # --enable-hierarchical-cache is served: its host<->device copies hold their slots' pages
+    # until they finish (hicache.py). Its host pool is sized from the device pool, which
+    # kvcached makes as large as the device: the host size must be given.
+    if g("enable_hierarchical_cache") and not g("hicache_size") and not g("max_total_tokens"):
+        found.append(
+            refuse(
+                "--enable-hierarchical-cache sizes its host pool as --hicache-ratio x the device KV pool, which "
+                "kvcached sizes to the whole device (pages are mapped on demand)",
+                "give the host pool's size with --hicache-size GB (or cap the pool with --max-total-tokens)",
+            )
+        )
     for flag, why in (
-        ("enable_hierarchical_cache", "the hierarchical cache copies KV pages by raw buffer pointers"),
         ("enable_unified_memory", "the unified memory pool carves every pool out of one byte buffer"),
         ("enable_page_major_kv_layout", "the page-major layout is a different pool class"),
         ("enable_kv_cache_sharding", "KV cache sharding widens the allocator's id space"),

@@ -21,6 +21,7 @@ The seam x version table with file:line evidence is docs/notes/sglang_seams.md.
   retract to a limit       check_decode_mem (all)
   scheduler events         Scheduler.__init__/run_batch/process_batch_result/on_idle/flush_cache (all)
   memory saver             SchedulerWeightUpdaterManager.release/resume_memory_occupation (all)
+  hierarchical cache       HiCacheController.__init__/start_writing/start_loading (all)
 
 A patch's ``apply(module)`` runs once per module object (``patch_base``
 marks it); wrappers keep the original in ``__kvcached_wrapped__``. The allocators,
@@ -344,6 +345,13 @@ def _scheduler(mod: ModuleType) -> None:
     cls.kvcached_report = sh.kvcached_report
 
 
+# ------------------------------------------------------------ hierarchical cache
+def _hicache(mod: ModuleType) -> None:
+    from kvcached.integration.sglang.hicache import patch_cache_controller
+
+    patch_cache_controller(mod)
+
+
 # ----------------------------------------------------------------- memory saver
 def _memory_saver(mod: ModuleType) -> None:
     from kvcached.integration.sglang.memory_saver import patch_weight_updater
@@ -400,6 +408,8 @@ def _specs() -> List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]]:
           "a lowered limit: retract running requests until their pages fit (check_decode_mem)"),
         p("sglang-scheduler", "sglang.srt.managers.scheduler", None, _scheduler,
           "deferred physical release, prefix-cache bound, idle give-back, kvcached_report"),
+        p("sglang-hicache", "sglang.srt.managers.cache_controller", None, _hicache,
+          "--enable-hierarchical-cache: host<->device copies hold their slots' pages until their finish event"),
         p("sglang-memory-saver", WEIGHT_UPDATER, None, _memory_saver,
           "release/resume_memory_occupation of kv_cache: the KV pools give every page back / map on demand again"),
     ]  # fmt: skip

@@ -62,6 +62,7 @@ from kvcached.integration.sglang.eviction import (
     prefix_sharing,
     protected_tokens,
 )
+from kvcached.integration.sglang.hicache import poll_allocator
 from kvcached.integration.sglang.pool import elastic_groups, instance
 from kvcached.integration.sglang.step_timing import step_timer
 
@@ -106,6 +107,7 @@ def after_result(scheduler: Any, result: Any) -> None:
         step = getattr(result, _STEP, None) if result is not None else None
         if step is not None:
             instance().fence.finished(step)
+        poll_allocator(getattr(scheduler, "token_to_kv_pool_allocator", None))
         tree = getattr(scheduler, "tree_cache", None)
         bound_prefix_cache(tree)
         shrink_to_limits(tree)
@@ -119,6 +121,7 @@ def nothing_in_flight(scheduler: Any) -> bool:
 
 def on_idle(scheduler: Any) -> None:
     _stats["idle_turns"] += 1
+    poll_allocator(getattr(scheduler, "token_to_kv_pool_allocator", None))  # finished host copies
     if nothing_in_flight(scheduler):
         tree = getattr(scheduler, "tree_cache", None)
         shrink_to_limits(tree)  # emptied pages retire...
