@@ -171,7 +171,7 @@ for step in "${steps[@]}"; do
     sglang-overhead)
       variants=()
       for v in ${KVCACHED_PROOF_VARIANTS-}; do variants+=(--variant "$v"); done
-      run_sglang "$step" $proof/overhead.py --engine sglang --model "$big" --kv 24G --inf-requests 256 \
+      run_sglang "$step" $proof/overhead.py --engine sglang --model "$big" --kv "${KVCACHED_PROOF_KV:-24G}" --inf-requests 256 \
         --rates "${KVCACHED_PROOF_RATES:-8,32,inf}" --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 "${variants[@]}" ;;
     sglang-mla) run_sglang "$step" $proof/sglang_correctness.py --model "$mla" --prompts 200 --kv 2G \
       --only native,kvcached,native-2 ;;
