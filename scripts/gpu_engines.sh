@@ -156,7 +156,7 @@ for step in "${steps[@]}"; do
         --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 "${variants[@]}" ;;
     three) run "$step" $proof/three_models.py --model "$small" --plot "$OUT/gpu_three_models.png" ;;
     router) run "$step" $proof/router_three.py --model "$small" --plot "$OUT/gpu_router_three.png" ;;
-    borrow) run "$step" $proof/borrow_train.py --model "$small" --plot "$OUT/gpu_borrow_train.png" ;;
+    borrow) run "$step" $proof/borrow_train.py --model "$small" --total "${KVCACHED_PROOF_TOTAL:-64G}" --borrow "${KVCACHED_PROOF_BORROW:-40G}" --plot "$OUT/gpu_borrow_train.png" ;;
     sglang-correctness) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
       --only native,kvcached,native-2 ;;
     sglang-correctness-p16) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
