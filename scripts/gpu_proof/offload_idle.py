@@ -201,7 +201,18 @@ def run_arm(arm: str, a: argparse.Namespace, p: Dict[str, int], kv: int, tag: in
             rec.stop()
         for srv in (srv_a, srv_b):
             srv.stop()
-    host = [(t, (m.get(HOST_USAGE) or 0.0) * a.offload * GIB) for t, m in poll.series] if arm == "offload" else []
+    # Bytes A's host tier holds (its usage gauge x its size); where the version does not report
+    # the gauge, the bytes stored so far (a counter) instead.
+    host: List[Tuple[float, float]] = []
+    host_what = None
+    if arm == "offload":
+        for name, what, scale in ((HOST_USAGE, "held", a.offload * GIB), (STORE_B, "stored so far", 1.0)):
+            host = [(t, m[name] * scale) for t, m in poll.series if m.get(name) is not None]
+            if host:
+                host_what = what
+                break
+        if not host:
+            log("offload: A reported neither the host tier's usage nor its stored bytes on /metrics")
     return {
         "first": first,
         "again": again,
@@ -211,6 +222,7 @@ def run_arm(arm: str, a: argparse.Namespace, p: Dict[str, int], kv: int, tag: in
         "mapped": {n: [tuple(s) for s in v] for n, v in rec.series.items()},
         "labels": {srv_a.name: "A", srv_b.name: "B"},
         "host_bytes": host,
+        "host_what": host_what,
         "failed": int(first["failed"]) + int(again["failed"]) + failed_b,  # type: ignore[call-overload]
     }
 
@@ -235,7 +247,7 @@ def plot(results: Dict[str, Dict], kv: int, path: str) -> None:
                     label=f"model {r['labels'][name]}: mapped KV (kvcached)")  # fmt: skip
         if r["host_bytes"]:
             ax.plot([t for t, _ in r["host_bytes"]], [b / GIB for _, b in r["host_bytes"]], "k--", lw=1.5,
-                    label="model A: KV held in host memory (offload tier)")  # fmt: skip
+                    label=f"model A: KV {r.get('host_what')} in host memory (offload tier)")  # fmt: skip
         ax.axhline(kv / GIB, color="red", ls=":", lw=1, label=f"shared KV budget {format_size(kv)}")
         for what, t0, t1 in r["phases"]:
             ax.axvspan(t0, t1, color="green", alpha=0.07)

@@ -361,16 +361,15 @@ class ElasticBlockPool(BlockPool):
             for b in lru:
                 by_page.setdefault(page_of(b.block_id), []).append(b)
             occupancy = self.manager.get_page_occupancy(list(by_page))
-            tier = self.host_tier
-            # First seen = holds the oldest block; with a host tier, pages it keeps go first.
-            order = tier.order_pages(by_page) if tier is not None else by_page
+            # Pages whose every live block is evictable; first seen = holds the oldest block.
+            whole = [pid for pid, blocks in by_page.items() if len(blocks) == occupancy[pid]]
+            if self.host_tier is not None and n < q.num_free_blocks:  # part of the cache goes:
+                whole = self.host_tier.order_pages({pid: by_page[pid] for pid in whole})  # the tier's first
             victims = []
-            for pid in order:
+            for pid in whole:
                 if len(victims) >= n:
                     break
-                blocks = by_page[pid]
-                if len(blocks) == occupancy[pid]:
-                    victims.extend(blocks)
+                victims.extend(by_page[pid])
             if len(victims) < n and not only_whole_pages:
                 chosen = {b.block_id for b in victims}
                 for b in lru:
