@@ -25,13 +25,16 @@ and B (kvcached's records) and the bytes A's host tier holds over time, per kvca
 ``--cpu``: the tiny model on vLLM's CPU build. vLLM-CPU refuses its own offload worker
 ("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"), so the dry run
 runs the ``recompute`` and ``native`` arms and says the ``offload`` arm needs a GPU.
-``--dry-run`` prints the plan and starts nothing. Exits 1 when a request failed or an arm
+``--dry-run`` prints the plan and starts nothing. ``--only`` runs some arms; the arms an
+earlier run with the same settings left in OUT/offload_idle.json are kept beside them (so the
+three can be split over device calls of limited length). Exits 1 when a request failed or an arm
 could not run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -179,10 +182,15 @@ def run_arm(arm: str, a: argparse.Namespace, p: Dict[str, int], kv: int, tag: in
         time.sleep(a.idle)
 
         t0, m2 = rec.now(), read_metrics(srv_a)
+        mapped_b = rec.series[srv_b.name][-1].mapped if kvc and rec.series[srv_b.name] else 0
         again = ask(srv_a, prefix_prompts(p["prompts"], prefix, p["suffix"], seed=2), p["gen"])
         time.sleep(1.0)  # vLLM's stats reach /metrics at its next logging step
         m3 = read_metrics(srv_a)
         phases.append(("A: again", t0, rec.now()))
+        b_gave = None  # A's want served by idle B: part of A's first TTFT in the kvcached arms
+        if kvc:
+            b_at = rec.first_time(srv_b.name, lambda s: s.mapped < mapped_b, after=t0)
+            b_gave = None if b_at is None else b_at - t0
         q, h = delta(m3, m2, PREFIX_Q), delta(m3, m2, PREFIX_H)
         eq, eh = delta(m3, m2, EXT_Q), delta(m3, m2, EXT_H)
         again.update(
@@ -218,6 +226,7 @@ def run_arm(arm: str, a: argparse.Namespace, p: Dict[str, int], kv: int, tag: in
         "again": again,
         "burst_b": {"p50_ttft_s": percentile(ttfts_b, 50), "failed": failed_b},
         "give_back_s": gave,
+        "b_give_back_s": b_gave,
         "phases": phases,
         "mapped": {n: [tuple(s) for s in v] for n, v in rec.series.items()},
         "labels": {srv_a.name: "A", srv_b.name: "B"},
@@ -323,7 +332,19 @@ def main(argv: List[str] | None = None) -> int:
             log(f"{arm}: failed: {type(e).__name__}: {e}")
             results[arm] = {"error": f"{type(e).__name__}: {e}"}
             failed += 1
-    write_json(os.path.join(a.out, "offload_idle.json"), {"params": p, "kv": kv, "skipped": skipped, "arms": results})
+    out_json = os.path.join(a.out, "offload_idle.json")
+    try:  # arms an earlier run with the same settings measured (--only split over device calls)
+        with open(out_json) as fh:
+            prev = json.load(fh)
+        if prev.get("params") == p and prev.get("kv") == kv:
+            for arm, r in prev.get("arms", {}).items():
+                if arm not in results and "error" not in r:
+                    results[arm] = r
+                    log(f"{arm}: kept from the earlier run in {out_json}")
+    except (OSError, ValueError):
+        pass
+    results = {arm: results[arm] for arm in ARMS if arm in results}
+    write_json(out_json, {"params": p, "kv": kv, "skipped": skipped, "arms": results})
     ok = {k: v for k, v in results.items() if "error" not in v}
     plot(ok, kv, a.plot or os.path.join(a.out, "gpu_offload_idle.png"))
 
@@ -333,15 +354,18 @@ def main(argv: List[str] | None = None) -> int:
     print(f"\nA: {p['prompts']} prompts sharing a {p['prefix']}-token prefix, idle, B's burst of {p['burst']}, "
           f"A asked again; KV {format_size(kv)}")  # fmt: skip
     print(f"{'arm':<10} {'1st TTFT':>9} {'again 1st':>10} {'again p50':>10} {'prefix hits':>12} "
-          f"{'host hits':>10} {'loaded':>9} {'A gave back':>12}")  # fmt: skip
+          f"{'host hits':>10} {'loaded':>9} {'A gave back':>12} {'B gave back':>12}")  # fmt: skip
     for arm, r in ok.items():
         ag = r["again"]
         loaded = ag["offload_load_bytes"]
         print(
             f"{arm:<10} {f(r['first']['first_ttft_s']):>9} {f(ag['first_ttft_s']):>10} {f(ag['p50_ttft_s']):>10} "
             f"{f(ag['prefix_hit_rate'], '{:.0%}'):>12} {f(ag['external_hit_rate'], '{:.0%}'):>10} "
-            f"{'n/a' if loaded is None else format_size(int(loaded)):>9} {f(r['give_back_s'], '{:.2f} s'):>12}"
+            f"{'n/a' if loaded is None else format_size(int(loaded)):>9} {f(r['give_back_s'], '{:.2f} s'):>12} "
+            f"{f(r['b_give_back_s'], '{:.2f} s'):>12}"
         )
+    print("prefix hits: vLLM's GPU prefix cache over the second round's prompt tokens; host hits: its offload tier's")
+    print("A/B gave back: from B's burst (A asked again) to the first sample where idle A (B) maps less")
     for arm, r in results.items():
         if "error" in r:
             print(f"{arm}: {r['error']}")
