@@ -16,6 +16,10 @@
 #   offload      correctness with vLLM's KV offloading on every engine (--kv-offloading-size 16):
 #                stores to host under kvcached's fence; offload-limit: the same under the
 #                correctness-limit pressure, evicted prefixes loaded back from host (issue 32)
+#   offload-idle A (8B, vLLM) serves 32 prompts sharing a 7680-token prefix, goes idle; B's burst takes
+#                the shared KV budget (A gives its pages back); A asked again: TTFT and prefix hits with
+#                the host tier (--kv-offloading-size) vs without (recompute) vs native static pools;
+#                mapped KV and host-tier bytes over time ($OUT/gpu_offload_idle.png; issue 32 item 4)
 #   mla          the MLA model: native vs kvcached, and a second native as the control
 #   mla-limit    the MLA model with batch-invariant kernels (vLLM 0.26 has them for MLA) and a
 #                kvcached limit small enough that preemption and eviction run all the time; the
@@ -127,6 +131,10 @@ for step in "${steps[@]}"; do
       --only native,kvcached,native-2 --control --engine-args '{"kv_offloading_size": 16}' ;;
     offload-limit) run "$step" $proof/correctness.py --model "$big" --prompts 200 \
       --only native-bi,kvcached-limit,native-small --control --engine-args '{"kv_offloading_size": 16}' ;;
+    # KVCACHED_PROOF_ARMS: some of native,recompute,offload (one device call each if they take long;
+    # the arms measured earlier with the same settings are kept in the table and the plot).
+    offload-idle) run "$step" $proof/offload_idle.py --model "$big" --plot "$OUT/gpu_offload_idle.png" \
+      --only "${KVCACHED_PROOF_ARMS:-native,recompute,offload}" ;;
     mla) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --only native,kvcached,native-2 --control ;;
     mla-limit) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --limit 256M \
       --only native-bi,kvcached-limit,native-small --control ;;
@@ -182,7 +190,7 @@ for step in "${steps[@]}"; do
     sleep-engine|sleep-engine-stop)
       if [ "$step" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
       run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla mixed router-mixed sleep-engine sleep-engine-stop)" >&2
+    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla mixed router-mixed sleep-engine sleep-engine-stop)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

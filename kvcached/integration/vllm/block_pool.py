@@ -37,6 +37,8 @@ cached blocks are evicted. For both,
 victims whose eviction empties a whole page go first: a page with one cached
 block left cannot be unmapped, so evicting scattered blocks returns nothing.
 A plain allocation shortage evicts pure LRU (the slots are reused at once).
+With vLLM's host tier (``--kv-offloading-size``), give-back takes the pages whose
+blocks the tier holds (or is storing) first (``host_tier.py``).
 """
 
 from __future__ import annotations
@@ -139,6 +141,8 @@ class ElasticBlockPool(BlockPool):
         self._resetting = False  # inside reset_prefix_cache (see there)
         # Holds of the offloading connector's copy jobs (offload.attach), or None.
         self.transfers: Any = None
+        # Its host tier's view (host_tier.HostTierView): give-back evicts what the tier keeps first.
+        self.host_tier: Any = None
 
     # ------------------------------------------------------------ capacity
 
@@ -357,12 +361,15 @@ class ElasticBlockPool(BlockPool):
             for b in lru:
                 by_page.setdefault(page_of(b.block_id), []).append(b)
             occupancy = self.manager.get_page_occupancy(list(by_page))
+            # Pages whose every live block is evictable; first seen = holds the oldest block.
+            whole = [pid for pid, blocks in by_page.items() if len(blocks) == occupancy[pid]]
+            if self.host_tier is not None and n < q.num_free_blocks:  # part of the cache goes:
+                whole = self.host_tier.order_pages({pid: by_page[pid] for pid in whole})  # the tier's first
             victims = []
-            for pid, blocks in by_page.items():  # first seen = holds the oldest block
+            for pid in whole:
                 if len(victims) >= n:
                     break
-                if len(blocks) == occupancy[pid]:
-                    victims.extend(blocks)
+                victims.extend(by_page[pid])
             if len(victims) < n and not only_whole_pages:
                 chosen = {b.block_id for b in victims}
                 for b in lru:
@@ -372,6 +379,8 @@ class ElasticBlockPool(BlockPool):
                         victims.append(b)
             for b in victims:
                 q.remove(b)
+            if self.host_tier is not None:  # before their hashes go: what the host tier keeps of them
+                self.host_tier.note_dropped(victims)
         for b in victims:
             self._maybe_evict_cached_block(b)
         self._give_back([b.block_id for b in victims])
@@ -392,6 +401,9 @@ class ElasticBlockPool(BlockPool):
         if given > 0:
             why = "wanted by a peer" if act & IdleAction.GIVE_TO_PEERS else "over its limit"
             logger.info("kvcached: idle %s gave back %d of %d mapped pages (%s)", self.backend.name, given, before, why)
+            if self.host_tier is not None:
+                logger.info("kvcached: %s: cached blocks evicted so far, by host tier state: %s",
+                            self.backend.name, dict(self.host_tier.dropped))  # fmt: skip
         self._avail_until = 0.0
 
     def close(self) -> None:

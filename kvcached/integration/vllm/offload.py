@@ -43,6 +43,7 @@ from kvcached.config import transfer_timeout_s
 from kvcached.elastic.transfers import TransferHolds
 from kvcached.errors import InvalidArgumentError
 from kvcached.integration.patch_base import wrap_method
+from kvcached.integration.vllm.host_tier import HostTierView
 
 logger = logging.getLogger("vllm.kvcached")
 
@@ -165,6 +166,7 @@ def attach(scheduler: Any, pool: Any) -> None:
     fence = OffloadFence(pool, workers)
     setattr(connector, _ATTR, fence)
     pool.transfers = fence.holds
+    pool.host_tier = HostTierView.of_connector(connector)
     logger.info(
         "kvcached: %s: offload copies (%s) fenced: a page is unmapped only after they finish", pool.backend.name, name
     )
