@@ -1,8 +1,9 @@
 """KVCACHED_ZERO_PAGE=ro: the zero page behind every unmapped unit is read-only, so a write
 into unmapped KV memory faults instead of changing what all unmapped memory reads.
 
-Each case runs in its own process: on the host backend a fault kills it with SIGSEGV, on a
-GPU the kernel fails with an illegal address and the process's CUDA context is lost.
+Each case runs in its own process: on the host backend a fault kills it with SIGSEGV; on a
+GPU (an H100, 2026-12-05) the driver kills it with SIGSEGV too, or the kernel fails with an
+illegal address and the process's CUDA context is lost.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def test_read_only_zero_page_reads_zeros_maps_writable_pages_and_faults_on_a_str
     if device == "cpu":
         assert p.returncode == -signal.SIGSEGV
     else:
-        assert p.returncode != 0 and "illegal" in p.stderr.lower(), p.stderr
+        assert p.returncode == -signal.SIGSEGV or (p.returncode != 0 and "illegal" in p.stderr.lower()), p.stderr
 
 
 @pytest.mark.parametrize("value", ["rw", ""])
