@@ -54,7 +54,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -62,6 +61,7 @@ from kvcached import _C, block_report, config, naming
 from kvcached.block_index import BlockIndex
 from kvcached.block_ledger import FREE, OUT, RESERVED, BlockLedger
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError, ShutdownError, int_arg
+from kvcached.locks import TokenLock
 from kvcached.manager_setup import (
     Barrier,
     LimitsFactory,
@@ -167,7 +167,11 @@ class BlockManager:
         self.page_allocator = self._supply.allocator
         self.bytes_per_page = self._supply.bytes_per_page
 
-        self._lock = threading.Lock()
+        # alloc and free enter it by try_enter/leave (a list pop and append),
+        # every other caller by ``with`` (``kvcached.locks.TokenLock``).
+        self._lock = TokenLock()
+        self._enter = self._lock.try_enter
+        self._leave = self._lock.leave
         self._ledger = BlockLedger(geo.num_blocks)
         self._index = BlockIndex(geo)
         self._release = PageRelease(
@@ -176,9 +180,13 @@ class BlockManager:
         )  # fmt: skip
         # The fast paths' handles on the ledger and the index (bound once: a
         # pair of alloc(1)+free(1) is ~10 attribute loads, each one counts).
+        # These objects are changed in place only, never replaced.
         self._states = self._ledger.states
-        self._take_one = self._index.take_one
-        self._put_one = self._index.put_one
+        self._held = self._index.held
+        self._buckets = self._index.buckets
+        # The page of every block id (free's fast path: one subscript, no arithmetic).
+        B, P = geo.block_mem_size, geo.page_size
+        self._page_of: List[int] = [b * B // P for b in range(geo.num_blocks)]
         self.null_block: Optional[List[int]] = None
         self._null_pending = self.reserve_null_block
         self._started = False
@@ -232,14 +240,35 @@ class BlockManager:
         Raises InvalidArgumentError for a size below 1, ShutdownError after
         shutdown(), and other data-plane errors (after a full rollback).
         """
-        with self._lock:
-            if need_size.__class__ is int and need_size == 1 and not self._ledger.reserved:
-                # Fast path: one block from the fullest page that has a free one.
-                b = self._take_one()
-                if b >= 0:
+        try:
+            self._enter()
+        except IndexError:  # another thread holds the lock: wait for it
+            with self._lock:
+                return self._alloc(need_size)
+        try:
+            if need_size == 1 and need_size.__class__ is int and not self._ledger.reserved:
+                # Fast path: one block from the fullest open page that has a free one
+                # (BlockIndex.take_one inlined: the call would cost a third of the pair).
+                index = self._index
+                m = index.mask
+                if m:
+                    k = (m & -m).bit_length() - 1
+                    buckets = self._buckets
+                    bucket = buckets[k]
+                    pid, page = bucket.popitem()
+                    if not bucket:
+                        m ^= 1 << k
+                    b = page.pop()
+                    if k > 1:
+                        buckets[k - 1][pid] = page
+                        m |= 1 << (k - 1)
+                    index.mask = m
+                    index.nfree -= 1
                     self._states[b] = OUT
                     return [b]
             return self._alloc(need_size)
+        finally:
+            self._leave(True)
 
     def _alloc(self, need_size: int) -> Optional[List[int]]:
         n = int_arg("need_size", need_size, minimum=1)
@@ -276,18 +305,46 @@ class BlockManager:
         Every id must be currently allocated (by alloc) and appear once;
         otherwise InvalidArgumentError is raised and nothing changes.
         """
-        with self._lock:
+        try:
+            self._enter()
+        except IndexError:  # another thread holds the lock: wait for it
+            with self._lock:
+                return self._free(indices)
+        try:
             if indices.__class__ is list and len(indices) == 1:
                 b = indices[0]
                 states = self._states
-                if b.__class__ is int and 0 <= b < self.num_blocks and states[b] == OUT:
+                if b.__class__ is int and b >= 0 and b < self.num_blocks and states[b] == OUT:
+                    # Fast path (BlockIndex.put_one inlined: the call would cost a third of the pair).
                     states[b] = FREE
-                    page = self._put_one(b)
-                    if page is not None:
+                    page = self._held[self._page_of[b]]
+                    k = len(page)
+                    page.append(b)
+                    if page.open:
+                        index = self._index
+                        pid = page.pid
+                        buckets = self._buckets
+                        if k:
+                            bucket = buckets[k]
+                            del bucket[pid]
+                            if not bucket:
+                                index.mask ^= 1 << k
+                        k += 1
+                        buckets[k][pid] = page
+                        index.mask |= 1 << k
+                        index.nfree += 1
+                    else:
+                        k += 1
+                    if k == page.cap:
                         self._release.emptied_one(page)  # retired, parked or released
                     return
-            self._check_open()
-            self._return(self._ledger.validate_free(indices))
+            self._free(indices)
+        finally:
+            self._leave(True)
+
+    def _free(self, indices: Iterable[int]) -> None:
+        self._check_open()
+        self._return(self._ledger.validate_free(indices))
 
     def _return(self, ids: List[int]) -> None:
         """Puts ledger-freed ids back on their pages and settles emptied pages."""
