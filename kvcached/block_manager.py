@@ -178,6 +178,7 @@ class BlockManager:
             self._index, self.page_allocator, self._lock, defer=self.defer_physical_release, grace_s=grace,
             max_parked=MAX_PARKED_PAGES, barrier=release_barrier, name=f"g{self.group_id}",
         )  # fmt: skip
+        self._release.on_release = self._supply.changed  # a released page changes what can be mapped
         # The fast paths' handles on the ledger and the index (bound once: a
         # pair of alloc(1)+free(1) is ~10 attribute loads, each one counts).
         # These objects are changed in place only, never replaced.
@@ -228,6 +229,7 @@ class BlockManager:
             self._ledger.hold_null(self._index)
             self.null_block = [0]
             self._null_pending = False
+            self._supply.changed()  # page 0 is held now
         if self._supply.want_prealloc:
             self.page_allocator.start_prealloc_thread()
         self._started = True
@@ -285,6 +287,8 @@ class BlockManager:
             except OutOfMemoryError:
                 return None
         # Nothing below can fail: the ledger changes only now.
+        if from_reserved:
+            self._supply.recount()
         out = ledger.take_reserved(from_reserved)
         if rest:
             taken = index.take_run(rest, fresh)
@@ -377,6 +381,7 @@ class BlockManager:
                 return False
             ledger.mark(got, RESERVED)
             kept.extend(got)
+            self._supply.recount()
             return True
 
     def free_reserved(self) -> None:
@@ -385,17 +390,41 @@ class BlockManager:
             self._check_open()
             ids = self._ledger.release_reserved()
             if ids:
+                self._supply.recount()
                 self._return(ids)
 
     # -------------------------------------------------------------- capacity
 
     def available_size(self) -> int:
-        """Blocks that alloc would hand out right now (a snapshot, see the module doc)."""
+        """Blocks that alloc would hand out right now (a snapshot, see the module doc).
+
+        Called on every scheduling step, so it reads two counters, no lock:
+        ``nfree`` (free blocks on held pages, kept by alloc and free) and the
+        supply's ``rest`` (reserved blocks plus blocks on the pages that can be
+        mapped now), which every change of this process clears before it
+        releases the lock, and a timer clears one ``KVCACHED_CAPACITY_TTL_MS``
+        after it was counted (``page_supply``'s module doc says why that is as
+        fresh as reading the data plane on each call within the TTL). Read
+        while another thread allocates, the sum is that of an instant before
+        or after the allocation's counter update, or one page off in the
+        instant between (a snapshot either way: alloc returns None when short).
+        """
+        rest = self._supply.rest
+        if rest >= 0:
+            return self._index.nfree + rest
+        return self._count_available()
+
+    def _count_available(self) -> int:
+        """available_size counted under the lock (and the count kept, when it may be)."""
         with self._lock:
             if self._closed:
                 return 0
-            n = len(self._ledger.reserved) + self._index.nfree + self._mappable_blocks()
-            return n - 1 if self._null_pending and n else n
+            rest = len(self._ledger.reserved) + self._mappable_blocks()
+            n = rest + self._index.nfree
+            if self._null_pending:  # page 0 goes to the null block first: not kept
+                return n - 1 if n else n
+            self._supply.keep(rest)
+            return n
 
     def _mappable_blocks(self) -> int:
         """Blocks on the pages an allocation could map now (the caller holds the lock)."""
@@ -450,6 +479,7 @@ class BlockManager:
         with self._lock:
             self._check_open()
             ids = self._ledger.free_all_on(self._index)
+            self._supply.recount()
             if ids:
                 self._return(ids)
 
@@ -519,6 +549,7 @@ class BlockManager:
             if self._closed:
                 return
             self._closed = True
+            self._supply.close()
             pa = self.page_allocator
             try:
                 pa.stop_prealloc_thread()
@@ -537,6 +568,7 @@ class BlockManager:
                 limits.close()
         finally:
             self._release.stop()
+            self._supply.stop()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 
 class GraceTimer:
-    """A daemon thread calling ``tick()`` every ``period_s`` while pages are parked.
+    """A daemon thread calling ``tick()`` every ``period_s`` while pages are parked
+    (``PageSupply`` runs one too, to expire the manager's capacity count).
 
     Nothing on the alloc/free path reads a clock: the thread counts ticks, and
     a page parked at tick ``t`` is released at tick ``t + 2``. ``tick()`` itself
@@ -126,6 +127,7 @@ class PageRelease:
         self._defer = defer
         self._barrier = barrier
         self.limits: Any = None  # the manager's InstanceLimits, set once built
+        self.on_release: Optional[Callable[[], None]] = None  # called after pages are dropped
         self.closed = False
         self.version = 0  # bumped on every release (the manager's capacity cache watches it)
         # Deferred release: pages retired at epoch E wait for a marker >= E.
@@ -184,6 +186,8 @@ class PageRelease:
             self.parked.pop(page.pid, None)
         pids = self._index.drop(pages)
         self.version += 1
+        if self.on_release is not None:
+            self.on_release()  # the manager's capacity count (PageSupply.changed)
         if self._barrier is not None:
             self._barrier()  # e.g. queued kernels may still read these pages
         self._pa.free_pages(pids)
