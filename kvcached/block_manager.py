@@ -44,8 +44,11 @@ Contract (the model is vLLM's ``BlockPool``):
   block that cannot be mapped, and it is a snapshot: another process may take
   the memory before the next ``alloc``, which then returns ``None``.
 
-All public methods are thread-safe (one lock). The allocation fast path
-(a held page has a free block) is pure Python: no call into C++.
+All public methods are thread-safe (one lock, a ``kvcached.locks.TokenLock``:
+alloc and free enter it by a list pop, the rest by ``with``). The allocation
+fast path (a held page has a free block) is pure Python: no call into C++,
+no Python function call (only list, dict and int methods). ``available_size`` takes no
+lock while its kept count holds (see its doc).
 ``check_invariants()`` verifies the whole state (tests call it).
 """
 
@@ -248,7 +251,7 @@ class BlockManager:
             with self._lock:
                 return self._alloc(need_size)
         try:
-            if need_size == 1 and need_size.__class__ is int and not self._ledger.reserved:
+            if need_size.__class__ is int and need_size == 1 and not self._ledger.reserved:
                 # Fast path: one block from the fullest open page that has a free one
                 # (BlockIndex.take_one inlined: the call would cost a third of the pair).
                 index = self._index
