@@ -188,9 +188,11 @@ class BlockManager:
         self._states = self._ledger.states
         self._held = self._index.held
         self._buckets = self._index.buckets
-        # The page of every block id (free's fast path: one subscript, no arithmetic).
+        # The page of every block id (free's fast path: one subscript, no arithmetic);
+        # one int object per page, shared: 8 bytes a block.
         B, P = geo.block_mem_size, geo.page_size
-        self._page_of: List[int] = [b * B // P for b in range(geo.num_blocks)]
+        pids = list(range((geo.num_blocks - 1) * B // P + 1))
+        self._page_of: List[int] = [pids[b * B // P] for b in range(geo.num_blocks)]
         self.null_block: Optional[List[int]] = None
         self._null_pending = self.reserve_null_block
         self._started = False
