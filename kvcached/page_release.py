@@ -71,6 +71,11 @@ class GraceTimer:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
 
+    def asleep(self) -> bool:
+        """Idle, or no thread (never started, or this is a forked child): ``wake()`` is due."""
+        t = self._thread
+        return self.idle or t is None or not t.is_alive()
+
     def stop(self) -> None:
         """Ends the thread and waits for it (call without the manager lock)."""
         self._stopping = True

@@ -31,7 +31,9 @@ TTL'd reading it replaces:
   an idle engine wakes nothing. The timer's last act on each tick is the
   store of -1, so a count kept before it is cleared by it, and one kept
   after it sees the timer's idle state of that tick (``keep()`` wakes an
-  idle timer): no count outlives a TTL by more than one tick's wait.
+  idle timer): no count outlives a TTL by more than one tick's wait;
+* a forked child drops the count it inherited (``os.register_at_fork``) and
+  ``keep()`` starts its own timer thread there.
 
 ``KVCACHED_CAPACITY_TTL_MS=0`` keeps no count: every call counts anew.
 
@@ -42,7 +44,9 @@ method runs under the manager's lock, except ``_expire`` (the timer thread's).
 from __future__ import annotations
 
 import math
+import os
 import time
+import weakref
 from typing import Any, Callable, List, Optional
 
 from kvcached import _C, config
@@ -50,6 +54,19 @@ from kvcached.block_geometry import BlockGeometry
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.manager_setup import Mapper, reserve_bounds
 from kvcached.page_release import GraceTimer
+
+# Supplies that keep a count: a forked child counts again (the parent's timer
+# thread, which would clear the count it inherited, does not run there).
+_keeping: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for supply in list(_keeping):
+        supply.rest = -1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class PageSupply:
@@ -93,6 +110,8 @@ class PageSupply:
         self._kept = False  # a count was kept since the timer's last tick
         self._woken = -math.inf  # when keep() last woke the timer
         self._expiry = GraceTimer(self._expire, self._ttl, f"kvcached-capacity-g{group_id}") if self._ttl > 0 else None
+        if self._expiry is not None:
+            _keeping.add(self)
 
     def attach_limits(self, factory: Callable[[Any], Any]) -> Any:
         """Builds the pool's limits with ``factory(allocator)`` (before anything is mapped); returns them."""
@@ -150,7 +169,7 @@ class PageSupply:
             return
         self.rest = rest
         self._kept = True
-        if timer.idle:
+        if timer.asleep():  # also in a forked child, where the parent's timer thread does not run
             self._woken = time.monotonic()
             timer.wake()
 

@@ -513,3 +513,19 @@ def test_available_size_ttl_zero_keeps_no_count(make, monkeypatch):
     assert m.available_size() == 32 and m._supply.rest == -1
     m.page_allocator.set_mem_limit(m.bytes_per_page)
     assert m.available_size() == 4
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_available_size_kept_count_expires_in_a_forked_child(make):
+    m = make(per_page=4, pages=8, max_reserved=0)
+    assert wait_for(lambda: m.available_size() >= 0 and m._supply.rest >= 0, 5.0)
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's timer thread does not run here
+        ok = False
+        try:
+            m.available_size()
+            ok = wait_for(lambda: m._supply.rest == -1, 5.0)
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
