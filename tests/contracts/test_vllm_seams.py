@@ -91,6 +91,21 @@ OFFCOMMON = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
 OFFSCHED = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 V2ATTN = "vllm.v1.worker.gpu.attn_utils"
 
+
+def _offload_update_reads(*attrs: str) -> list:
+    """OffloadingConnectorScheduler.update_connector_output reads each attr itself
+    (0.26-0.32) or through _update_connector_output, which it calls under the
+    manager's lock (0.33+)."""
+    q = "OffloadingConnectorScheduler"
+    return [
+        any_of(
+            mentions(OFFSCHED, f"{q}.update_connector_output", a),
+            mentions(OFFSCHED, f"{q}._update_connector_output", a),
+        )
+        for a in attrs
+    ]
+
+
 # BlockPool methods that use self.free_block_queue, read against ElasticBlockPool
 # (which keeps only evictable cached blocks there): overridden, or compatible.
 BLOCK_POOL_QUEUE_USERS = {
@@ -424,13 +439,12 @@ CONTRACTS: Dict[str, List[Tuple[str, Check]]] = {
             "workers report finished jobs in OffloadingWorkerMetadata.completed_jobs (job id -> workers)",
             all_of(
                 sets_attrs(OFFCOMMON, "OffloadingWorkerMetadata", ["completed_jobs"]),
-                mentions(OFFSCHED, "OffloadingConnectorScheduler.update_connector_output", "kv_connector_worker_meta"),
-                mentions(OFFSCHED, "OffloadingConnectorScheduler.update_connector_output", "completed_jobs"),
+                *_offload_update_reads("kv_connector_worker_meta", "completed_jobs"),
             ),
         ),
         (
             "a job is done when every worker (parallel_config.world_size) reported it",
-            mentions(OFFSCHED, "OffloadingConnectorScheduler.update_connector_output", "pending_count"),
+            all_of(*_offload_update_reads("pending_count")),
         ),
         (
             "GPULoadStoreSpec(block_ids) names the GPU blocks of a job",
