@@ -180,8 +180,9 @@ VARIABLES: Tuple[Var, ...] = (
         name="KVCACHED_TRANSFER_TIMEOUT",
         type="float",
         default="120",
-        meaning="seconds an offload copy (vLLM `--kv-offloading-size`) may run before one error line names it; its "
-        "blocks stay held and their pages mapped until it finishes (never unmapped under a copy); `0`: never report",
+        meaning="seconds an offload copy (vLLM `--kv-offloading-size`, SGLang `--enable-hierarchical-cache`) may run "
+        "before one error line names it; its blocks stay held and their pages mapped until it finishes (never unmapped "
+        "under a copy); `0`: never report",
     ),
     Var(
         name="KVCACHED_PP_SIZE",

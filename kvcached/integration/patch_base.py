@@ -34,7 +34,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 logger = logging.getLogger("kvcached.integration")
 
@@ -140,6 +140,21 @@ def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> C
     setattr(new, WRAPPED, orig)
     setattr(cls, name, new)
     return new
+
+
+def call_after(cls: type, name: str, after: Callable[..., None]) -> Callable:
+    """``wrap_method`` for the common case: the original runs, then
+    ``after(self, result, *args, **kwargs)``, and the original's result is returned."""
+
+    def make(orig: Callable) -> Callable:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig(self, *args, **kwargs)
+            after(self, out, *args, **kwargs)
+            return out
+
+        return wrapper
+
+    return wrap_method(cls, name, make)
 
 
 @dataclass

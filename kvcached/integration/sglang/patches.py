@@ -37,7 +37,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
-from kvcached.integration.patch_base import BasePatch, wrap_method
+from kvcached.integration.patch_base import BasePatch, call_after, wrap_method
 from kvcached.integration.seam_table import Needs
 from kvcached.integration.sglang import profile
 
@@ -297,51 +297,12 @@ def _retract_to_limit(mod: ModuleType) -> None:
 def _scheduler(mod: ModuleType) -> None:
     from kvcached.integration.sglang import scheduler_hooks as sh
 
-    def make_init(orig: Callable) -> Callable:
-        def __init__(self: Any, *a: Any, **k: Any) -> None:
-            orig(self, *a, **k)
-            sh.after_init(self)
-
-        return __init__
-
-    def make_run(orig: Callable) -> Callable:
-        def run_batch(self: Any, batch: Any, *a: Any, **k: Any) -> Any:
-            result = orig(self, batch, *a, **k)
-            sh.after_launch(result)
-            return result
-
-        return run_batch
-
-    def make_process(orig: Callable) -> Callable:
-        def process_batch_result(self: Any, batch: Any, result: Any, *a: Any, **k: Any) -> Any:
-            out = orig(self, batch, result, *a, **k)
-            sh.after_result(self, result)
-            return out
-
-        return process_batch_result
-
-    def make_idle(orig: Callable) -> Callable:
-        def on_idle(self: Any, *a: Any, **k: Any) -> Any:
-            out = orig(self, *a, **k)
-            sh.on_idle(self)
-            return out
-
-        return on_idle
-
-    def make_flush(orig: Callable) -> Callable:
-        def flush_cache(self: Any, *a: Any, **k: Any) -> Any:
-            ok = orig(self, *a, **k)
-            sh.after_flush(self, ok)
-            return ok
-
-        return flush_cache
-
     cls = mod.Scheduler
-    wrap_method(cls, "__init__", make_init)
-    wrap_method(cls, "run_batch", make_run)
-    wrap_method(cls, "process_batch_result", make_process)
-    wrap_method(cls, "on_idle", make_idle)
-    wrap_method(cls, "flush_cache", make_flush)
+    call_after(cls, "__init__", lambda self, _out, *a, **k: sh.after_init(self))
+    call_after(cls, "run_batch", lambda self, result, *a, **k: sh.after_launch(result))
+    call_after(cls, "process_batch_result", lambda self, _out, batch, result, *a, **k: sh.after_result(self, result))
+    call_after(cls, "on_idle", lambda self, _out, *a, **k: sh.on_idle(self))
+    call_after(cls, "flush_cache", lambda self, ok, *a, **k: sh.after_flush(self, ok))
     cls.kvcached_report = sh.kvcached_report
 
 

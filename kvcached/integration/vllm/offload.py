@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, List
 from kvcached.config import transfer_timeout_s
 from kvcached.elastic.transfers import TransferHolds
 from kvcached.errors import InvalidArgumentError
-from kvcached.integration.patch_base import wrap_method
+from kvcached.integration.patch_base import call_after
 from kvcached.integration.vllm.host_tier import HostTierView
 
 logger = logging.getLogger("vllm.kvcached")
@@ -107,45 +107,25 @@ def _fence_of(connector: Any) -> Any:
     return getattr(connector, _ATTR, None)
 
 
+def _after_fenced(cls: type, name: str, call: Callable[..., None]) -> None:
+    """``cls.name``, then ``call(fence, result, *args, **kwargs)`` when the connector is attached."""
+
+    def after(self: Any, out: Any, *args: Any, **kwargs: Any) -> None:
+        f = _fence_of(self)
+        if f is not None:
+            call(f, out, *args, **kwargs)
+
+    call_after(cls, name, after)
+
+
 def patch_offloading_connector(module: ModuleType) -> None:
     """``OffloadingConnector``: its jobs and completions feed the pool's holds (when attached)."""
     cls = module.OffloadingConnector
-
-    def make_build(orig: Callable) -> Callable:
-        def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
-            meta = orig(self, scheduler_output)
-            f = _fence_of(self)
-            if f is not None:
-                f.built(meta)
-            return meta
-
-        return build_connector_meta
-
-    def make_update(orig: Callable) -> Callable:
-        def update_connector_output(self: Any, connector_output: Any) -> Any:
-            out = orig(self, connector_output)
-            f = _fence_of(self)
-            if f is not None:
-                f.completed(connector_output)
-            return out
-
-        return update_connector_output
-
-    def make_finished(orig: Callable) -> Callable:
-        def request_finished(self: Any, request: Any, block_ids: Any, *args: Any, **kwargs: Any) -> Any:
-            out = orig(self, request, block_ids, *args, **kwargs)
-            f = _fence_of(self)
-            if f is not None:
-                f.request_finished(block_ids)
-            return out
-
-        return request_finished
-
-    wrap_method(cls, "build_connector_meta", make_build)
-    wrap_method(cls, "update_connector_output", make_update)
+    _after_fenced(cls, "build_connector_meta", lambda f, meta, *_a, **_k: f.built(meta))
+    _after_fenced(cls, "update_connector_output", lambda f, _out, connector_output: f.completed(connector_output))
     for name in ("request_finished", "request_finished_all_groups"):
         if name in cls.__dict__:
-            wrap_method(cls, name, make_finished)
+            _after_fenced(cls, name, lambda f, _out, request, block_ids, *_a, **_k: f.request_finished(block_ids))
     setattr(cls, _MARK, True)
 
 

@@ -283,7 +283,7 @@ class ServerClient:
 
 
 LIMITS_WORKER = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "limits_worker.py"
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "helpers", "limits_worker.py"
 )
 
 

@@ -51,9 +51,6 @@ def _bind(pool, fail: str = ""):  # noqa: F811
 
     ex = _executor(fail)
     bind_executor(ex, pool)
-    # The manager rereads the cap another thread set within KVCACHED_CAPACITY_TTL_MS (10 ms);
-    # here the next call comes at once.
-    pool.manager._cap_ttl = 0.0
     return ex
 
 
