@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the device, after the slices of scripts/gpu_fetch_wheels.sh were copied to /tmp/gw/<set>:
-# unpack each set (vllm, sglang) into its own site directory /tmp/site-<set> (their pins clash:
+# unpack each set (vllm, sglang, optional vllm029) into its own site directory /tmp/site-<set> (their pins clash:
 # transformers, xgrammar, flashinfer), install kvcached from this checkout into /tmp/site-kvcached
 # (the extension built against the image's torch), and write /tmp/sc-<set>/sitecustomize.py,
 # which makes both site directories of every Python process that has /tmp/sc-<set> on
@@ -56,5 +56,6 @@ set +eu
 gpu_env() { echo "/tmp/sc-$1"; }
 if [ -d /tmp/sc-vllm ]; then export PYTHONPATH=/tmp/sc-vllm; else export PYTHONPATH=/tmp/sc-${sets[0]}; fi
 for s in "${sets[@]}"; do
-  echo "[gpu] $s $(PYTHONPATH=/tmp/sc-$s python3 -c "import importlib.metadata as m; print(m.version('$s'))" 2>&1 | tail -1) and kvcached in /tmp/site-$s (PYTHONPATH=/tmp/sc-$s)"
+  dist=${s%%[0-9]*}  # set vllm029 holds the distribution vllm
+  echo "[gpu] $s: $dist $(PYTHONPATH=/tmp/sc-$s python3 -c "import importlib.metadata as m; print(m.version('$dist'))" 2>&1 | tail -1) and kvcached in /tmp/site-$s (PYTHONPATH=/tmp/sc-$s)"
 done

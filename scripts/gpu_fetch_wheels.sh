@@ -6,6 +6,9 @@
 # sglang-kernel is 383 MB of wheel, 150 MB of xz) and cut into slices of at most 58 MiB (a
 # device call carries at most 64 MiB with the tree).
 # Usage: bash scripts/gpu_fetch_wheels.sh [SET ...]   (SET: vllm, sglang; default both)
+#   optional SET vllm029: vLLM 0.29.0 on the image's torch 2.11 (its pin says 2.13.0; its compiled
+#   extensions target the stable ABI of 2.11: docs/GPU.md, "Newer vLLM on the GPU"), never in the
+#   default; on the device: KVCACHED_VLLM_PYTHONPATH=/tmp/sc-vllm029 for scripts/gpu_engines.sh
 #   GPUW=DIR  where the slices go (default .gpuw, git-ignored): DIR/<set>/s1 ... sN
 # A set whose list did not change since it was packed is kept (the pack takes minutes).
 # Then, on the device, one call per slice, back to back (the machine goes back when idle):
@@ -22,7 +25,7 @@ for p in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux_2_
 mkdir -p "$dest/dl"
 for set in "${sets[@]}"; do
   list=$(ls scripts/gpu_wheels_"$set"_*.txt 2>/dev/null | head -1)
-  [ -n "$list" ] || { echo "no wheel list scripts/gpu_wheels_${set}_*.txt (sets: vllm, sglang)" >&2; exit 2; }
+  [ -n "$list" ] || { echo "no wheel list scripts/gpu_wheels_${set}_*.txt (sets: vllm, sglang, vllm029)" >&2; exit 2; }
   stamp=$(sha1sum "$list" | cut -c1-16)
   if [ "$(cat "$dest/$set/stamp" 2>/dev/null)" = "$stamp" ]; then
     echo "$set: packed already for $list"; du -sh "$dest/$set"/s*; continue
