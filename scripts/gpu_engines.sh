@@ -138,6 +138,9 @@ for step in "${steps[@]}"; do
         [ -f "$dir/config.json" ] || python3 -m kvcached.testing.tiny_families "${m##*:}" "$dir" \
           --gpu-shapes --vocab-size 32000 --sliding-window 512 || rc=1
       done
+      # vLLM 0.26 loads Gemma 4 only with a transformers before per-layer head sizes (5.24 refuses
+      # config.head_dim: AmbiguousGlobalPerLayerAttributeError): the version says which the image has.
+      python3 -c 'import transformers; print("transformers", transformers.__version__)' | tee -a "$OUT/steps.txt"
       du -sh "$WORK/models"/* | tee -a "$OUT/steps.txt" ;;
     limits) run "$step" $proof/limits.py --model "$big" ;;
     # 200 prompts need 18.9 GiB of KV if nothing is ever evicted: 22G each.
