@@ -5,8 +5,9 @@
 #                (scripts/gpu_suite.sh --ignore=tests/engines), beside the other steps of its group
 #   model        random-weight Llama-3-8B and Llama-3.2-1B shapes in bf16, drawn on the GPU,
 #                word-level tokenizer (kvcached.testing.tiny_model --preset), and a small
-#                DeepSeek-V2 (MLA) with the latent sizes GPU kernels take and a small
-#                Qwen3-Next (tiny_families)
+#                DeepSeek-V2 (MLA) with the latent sizes GPU kernels take, a small
+#                Qwen3-Next, and small Gemma 3 / Gemma 4 (heads of 128, Gemma 4's global ones 256,
+#                6 layers, window 512) (tiny_families)
 #   limits       kvctl limit lowered while decoding (at or under it within 1 s), raised again
 #   correctness  greedy tokens with and without kvcached, vLLM defaults, KV large enough that
 #                nothing is evicted, and a second native engine as the control
@@ -37,6 +38,15 @@
 #                the 2 MiB page) served without KVCACHED_PAGE_SIZE: the page is chosen from the spec
 #   hybrid-limit the Qwen3-Next under a small limit, bfloat16 with float32 state (vLLM's GDN prefill
 #                takes no float32 input and has no batch-invariant kernels: the control decides)
+#   gemma3       the same as mla for a small Gemma 3 (sliding-window + global layers: vLLM's
+#                several KV cache groups in one pool, window blocks leaving as outputs of up to
+#                2,400 tokens cross the 512-token window); gemma3-limit: the same under a 512M limit
+#                (batch-invariant kernels, native-small the control that decides)
+#   gemma4       the same for a small Gemma 4 (global layers of head size 256 beside local ones of
+#                128: KV specs of different page sizes); gemma4-limit under a 768M limit
+#   fp8          the Llama-3.2-1B shape with an FP8 KV cache (kv_cache_dtype fp8_e4m3, 1-byte
+#                cells): native vs kvcached vs native-2, 3G of KV each; fp8-limit under a 1G limit
+#                with native-small (issue 29 item 4)
 #   overhead     vllm bench serve native vs kvcached (and a kvcached that keeps emptied pages
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back
@@ -57,6 +67,9 @@
 #   sglang-limits           kvctl limit lowered while decoding, raised again
 #   sglang-overhead         sglang.bench_serving native vs kvcached, paired rounds
 #   sglang-mla              the MLA model: native vs kvcached vs native-2
+#   sglang-gemma3           the Gemma 3 model: native vs kvcached vs native-2 (SGLang serves Gemma 3
+#                from one pool, the window a mask)
+#   sglang-fp8              the 1B model with --kv-cache-dtype fp8_e4m3: native vs kvcached vs native-2
 # Both engines (each its own site directory: both sets copied):
 #   mixed        a vLLM and an SGLang server sharing one KV budget, bursts alternating between
 #                them, vs a static split of the same memory; want -> give-back both ways
@@ -84,11 +97,14 @@ small="$WORK/models/llama3-1b"
 mla="$WORK/models/deepseek-v2-mla"
 hybrid="$WORK/models/qwen3-next"
 hybrid_real="$WORK/models/qwen3-next-real"
+gemma3="$WORK/models/gemma3"
+gemma4="$WORK/models/gemma4"
 proof=scripts/gpu_proof
 sglang_path=${KVCACHED_SGLANG_PYTHONPATH:-/tmp/sc-sglang}
 vllm_path=${KVCACHED_VLLM_PYTHONPATH:-/tmp/sc-vllm}
 both=(--vllm-path "$vllm_path" --sglang-path "$sglang_path")
 gdn='{"additional_config": {"gdn_prefill_backend": "triton"}}'
+fp8='{"kv_cache_dtype": "fp8_e4m3"}'
 rc=0
 # run STEP SCRIPT ARGS...: the step's script with its work folder, its table to $OUT/STEP.txt.
 run() {
@@ -117,6 +133,14 @@ for step in "${steps[@]}"; do
         --gpu-shapes --vocab-size 32000 || rc=1
       [ -f "$hybrid_real/config.json" ] || python3 -m kvcached.testing.tiny_families qwen3_next "$hybrid_real" \
         --real-shapes --vocab-size 32000 || rc=1
+      for m in "$gemma3:gemma3" "$gemma4:gemma4"; do
+        dir=${m%%:*}
+        [ -f "$dir/config.json" ] || python3 -m kvcached.testing.tiny_families "${m##*:}" "$dir" \
+          --gpu-shapes --vocab-size 32000 --sliding-window 512 || rc=1
+      done
+      # vLLM 0.26 loads Gemma 4 only with a transformers before per-layer head sizes (5.24 refuses
+      # config.head_dim: AmbiguousGlobalPerLayerAttributeError): the version says which the image has.
+      python3 -c 'import transformers; print("transformers", transformers.__version__)' | tee -a "$OUT/steps.txt"
       du -sh "$WORK/models"/* | tee -a "$OUT/steps.txt" ;;
     limits) run "$step" $proof/limits.py --model "$big" ;;
     # 200 prompts need 18.9 GiB of KV if nothing is ever evicted: 22G each.
@@ -156,6 +180,20 @@ for step in "${steps[@]}"; do
     hybrid-limit) run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 \
       --kv 2G --limit 256M --only native,kvcached-limit,native-small --control --no-batch-invariant \
       --mamba-ssm-cache-dtype float32 --engine-args "${gdn%\}}, \"max_num_seqs\": 256}" ;;
+    # Issue 29 item 4. Gemma 3 / 4 (GPU shapes): 200 prompts allocate ~1.8 / ~2.4 GiB of blocks over the
+    # run (window blocks leave and stay cached), 4G each: nothing evicted; the limits about a third of
+    # what is live at once. FP8: the 1B shape's 16 KiB a token in fp8, 200 prompts ~2.4 GiB: 3G each.
+    gemma3|gemma4)
+      [ "$step" = gemma3 ] && model=$gemma3 || model=$gemma4
+      run "$step" $proof/correctness.py --model "$model" --prompts 200 --kv 4G --only native,kvcached,native-2 --control ;;
+    gemma3-limit|gemma4-limit)
+      [ "$step" = gemma3-limit ] && model=$gemma3 lim=512M || model=$gemma4 lim=768M
+      run "$step" $proof/correctness.py --model "$model" --prompts 200 --kv 4G --limit "$lim" \
+        --only native-bi,kvcached-limit,native-small --control ;;
+    fp8) run "$step" $proof/correctness.py --model "$small" --prompts 200 --kv 3G \
+      --only native,kvcached,native-2 --control --engine-args "$fp8" ;;
+    fp8-limit) run "$step" $proof/correctness.py --model "$small" --prompts 200 --kv 3G --limit 1G \
+      --only native-bi,kvcached-limit,native-small --control --engine-args "$fp8" ;;
     # KVCACHED_PROOF_VARIANTS: more kvcached servers measured beside the two (empty: none).
     overhead)
       variants=()
@@ -183,6 +221,12 @@ for step in "${steps[@]}"; do
         --rates "${KVCACHED_PROOF_RATES:-8,32,inf}" --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 "${variants[@]}" ;;
     sglang-mla) run_sglang "$step" $proof/sglang_correctness.py --model "$mla" --prompts 200 --kv 2G \
       --only native,kvcached,native-2 ;;
+    # One pool of all 6 layers (12 KiB a token): 3G holds the 200 prompts' ~176k tokens.
+    sglang-gemma3) run_sglang "$step" $proof/sglang_correctness.py --model "$gemma3" --prompts 200 --kv 3G \
+      --only native,kvcached,native-2 ;;
+    # --kv counts bf16 bytes (--max-total-tokens from the model's bf16 row): 6G = 196k tokens, 3 GiB in fp8.
+    sglang-fp8) run_sglang "$step" $proof/sglang_correctness.py --model "$small" --prompts 200 --kv 6G \
+      --only native,kvcached,native-2 -- --kv-cache-dtype fp8_e4m3 ;;
     mixed) PYTHONPATH=$vllm_path run "$step" $proof/mixed_engines.py --model "$small" "${both[@]}" \
       --plot "$OUT/gpu_mixed_engines.png" ;;
     router-mixed) PYTHONPATH=$vllm_path run "$step" $proof/router_three.py --model "$small" \
@@ -190,7 +234,7 @@ for step in "${steps[@]}"; do
     sleep-engine|sleep-engine-stop)
       if [ "$step" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
       run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla mixed router-mixed sleep-engine sleep-engine-stop)" >&2
+    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma4 gemma4-limit fp8 fp8-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-fp8 mixed router-mixed sleep-engine sleep-engine-stop)" >&2
        exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"

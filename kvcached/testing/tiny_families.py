@@ -50,30 +50,44 @@ def _token_ids(vocab: Dict[str, int]) -> Dict[str, int]:
 
 
 def _gemma_sizes(sizes: Dict[str, Any]) -> Dict[str, Any]:
-    """What the tiny Gemma 3 and Gemma 4 share: 4 layers of 4 query and 2 KV heads of 32."""
+    """What the tiny Gemma 3 and Gemma 4 share: 4 layers of 4 query and 2 KV heads of 32.
+    ``gpu_shapes``: 6 layers of 8 query and 4 KV heads of 128 (a head size GPU attention
+    kernels take; Gemma 4's global layers twice that), hidden size 1024."""
+    gpu = sizes.get("gpu_shapes", False)
     return dict(
         vocab_size=sizes["vocab_size"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        hidden_size=1024 if gpu else 64,
+        intermediate_size=2048 if gpu else 128,
+        num_hidden_layers=6 if gpu else 4,
+        num_attention_heads=8 if gpu else 4,
+        num_key_value_heads=4 if gpu else 2,
+        head_dim=128 if gpu else 32,
         max_position_embeddings=sizes["max_position_embeddings"],
         sliding_window=sizes["sliding_window"],
     )
 
 
+def _gemma_layer_types(sizes: Dict[str, Any], pattern: list) -> list:
+    """``pattern`` (the 4 tiny layers); with ``gpu_shapes`` Gemma's own 5 local : 1 global
+    shortened to 6 layers with two global ones: local, local, global, local, local, global."""
+    if sizes.get("gpu_shapes"):
+        return ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    return pattern
+
+
 def _gemma3_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     from transformers import Gemma3TextConfig
 
+    shape = _gemma_sizes(sizes)
     cfg = Gemma3TextConfig(
-        **_gemma_sizes(sizes),
+        **shape,
         # Gemma 3's pattern (5 local : 1 global), shortened: local, local, global, local.
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        layer_types=_gemma_layer_types(
+            sizes, ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        ),
         final_logit_softcapping=None,
         attn_logit_softcapping=None,
-        query_pre_attn_scalar=32,
+        query_pre_attn_scalar=shape["head_dim"],
         **_token_ids(vocab),
         tie_word_embeddings=False,
     )
@@ -84,11 +98,14 @@ def _gemma3_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
 def _gemma4_config(vocab: Dict[str, int], sizes: Dict[str, Any]) -> Any:
     from transformers import Gemma4TextConfig
 
+    shape = _gemma_sizes(sizes)
     cfg = Gemma4TextConfig(
-        **_gemma_sizes(sizes),
+        **shape,
         vocab_size_per_layer_input=sizes["vocab_size"],
-        global_head_dim=64,  # global layers: twice the local head size
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        global_head_dim=2 * shape["head_dim"],  # global layers: twice the local head size
+        layer_types=_gemma_layer_types(
+            sizes, ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+        ),
         hidden_size_per_layer_input=0,  # no per-layer input embeddings (Gemma 4 E-models only)
         num_kv_shared_layers=0,
         final_logit_softcapping=None,
@@ -298,8 +315,9 @@ def build_tiny_family(
     """Write a tiny random ``family`` checkpoint + tokenizer to ``path``; return ``path``.
 
     ``gpu_shapes``: the attention sizes GPU kernels require (DeepSeek-V2's MLA:
-    latent 512 + rope 64; Qwen3-Next: more than one value head), few layers, so the
-    family runs on a GPU engine. ``real_shapes`` (Qwen3-Next only): the real model's layer
+    latent 512 + rope 64; Qwen3-Next: more than one value head; Gemma 3 / 4: heads of
+    128, Gemma 4's global ones 256, 6 layers), few layers, so the family runs on a GPU
+    engine. ``real_shapes`` (Qwen3-Next only): the real model's layer
     sizes, whose state blocks exceed the 2 MiB page. ``sglang``: the layout SGLang's model class loads (Qwen3-Next:
     every layer MoE, attention placed by ``full_attention_interval``)."""
     import torch
@@ -338,12 +356,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("family", choices=sorted(FAMILIES))
     ap.add_argument("outdir")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sliding-window", type=int, default=64)
+    ap.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="Gemma's local window in tokens (default 64; --gpu-shapes 512, which 2,000-token outputs cross)",
+    )
     ap.add_argument("--vocab-size", type=int, default=512)
     ap.add_argument(
         "--gpu-shapes",
         action="store_true",
-        help="attention sizes GPU kernels require (MLA: 512 + 64; Qwen3-Next: 4 value heads)",
+        help="attention sizes GPU kernels require (MLA: 512 + 64; Qwen3-Next: 4 value heads; Gemma: heads of 128)",
     )
     ap.add_argument(
         "--real-shapes",
@@ -355,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         a.outdir,
         a.family,
         seed=a.seed,
-        sliding_window=a.sliding_window,
+        sliding_window=a.sliding_window or (512 if a.gpu_shapes else 64),
         vocab_size=a.vocab_size,
         gpu_shapes=a.gpu_shapes,
         real_shapes=a.real_shapes,
