@@ -1,10 +1,5 @@
 """BlockManager: the block ledger of one KV cache over elastic kvcached pages.
 
-Why this module is long: alloc(1) and free(1) run on every scheduling step and
-must cost what vLLM's ``BlockPool`` costs (issue 30: within 1.2x), so they carry
-``BlockIndex.take_one``/``put_one`` inlined (a call would be a third of the
-pair); the rest is the one lock's public surface, kept together with them.
-
 The engine asks for blocks (vLLM) or token slots (SGLang) by id; this class
 hands out ids whose memory is mapped, and returns a page's physical memory
 when its last block is freed. It maps nothing itself: this process's data
