@@ -81,6 +81,11 @@ class TransferHolds:
     def held_blocks(self) -> Set[int]:
         return {b for b, n in self._count.items() if n > 0}
 
+    @property
+    def freed_count(self) -> int:
+        """How many blocks ``freed_while_held`` holds (no copy: asked every scheduler step)."""
+        return len(self._freed)
+
     def freed_while_held(self) -> Set[int]:
         """Blocks freed by the engine, waiting for their holds to end (not in the ledger)."""
         return set(self._freed)

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Hashable, List
 
 from kvcached.config import transfer_timeout_s
 from kvcached.elastic.transfers import TransferHolds
-from kvcached.integration.patch_base import wrap_method
+from kvcached.integration.patch_base import call_after, wrap_method
 
 logger = logging.getLogger("kvcached.integration.sglang")
 
@@ -105,7 +105,7 @@ class HiCacheFence:
 
     def deferred(self) -> int:
         """Blocks freed by SGLang and kept mapped for a copy in flight (free in SGLang's count)."""
-        return len(self.holds.freed_while_held()) if self._events else 0
+        return self.holds.freed_count if self._events else 0
 
     def wait_all(self) -> None:
         """Before the allocator clears (flush): every copy in flight finishes first, then the
@@ -194,15 +194,7 @@ def patch_cache_controller(module: ModuleType) -> None:
     """``HiCacheController``: each submitted write/load holds its device slots' blocks until its
     finish event completes (a hybrid controller subclass runs the same methods)."""
     cls = module.HiCacheController
-
-    def make_init(orig: Callable) -> Callable:
-        def __init__(self: Any, *a: Any, **k: Any) -> None:
-            orig(self, *a, **k)
-            attach(self)
-
-        return __init__
-
-    wrap_method(cls, "__init__", make_init)
+    call_after(cls, "__init__", lambda self, _out, *a, **k: attach(self))
     wrap_method(cls, "start_writing", _submitted("write", "write_queue", "ack_write_queue"))
     wrap_method(cls, "start_loading", _submitted("load", "load_queue", "ack_load_queue"))
 
