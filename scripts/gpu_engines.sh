@@ -81,6 +81,11 @@
 #                after wakes = before); sleep-engine-stop the same with `sleep: stop` (restarts;
 #                fewer models, the wake is a restart either way), printed beside sleep-engine's
 # Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
+#   STEP@SET runs STEP with engine set SET's site directory (PYTHONPATH=/tmp/sc-SET, e.g.
+#   correctness@vllm029: vLLM 0.29); STEP.N is STEP again under its own name (tables, work folder),
+#   so one step can be repeated in one session (hybrid-ro hybrid-ro.2; both: gemma4.2@vllm029).
+#   KVCACHED_VLLM_PYTHONPATH
+#   names the vLLM set of every vLLM step (default: the PYTHONPATH this script was given).
 # Logs and JSON go to a work folder (KVCACHED_PROOF_WORK, default /tmp/kvcached-proof); each
 # step's table to $OUT/<step>.txt and its files to $OUT/<step>.tgz (a device call brings back
 # few files).
@@ -103,6 +108,7 @@ proof=scripts/gpu_proof
 sglang_path=${KVCACHED_SGLANG_PYTHONPATH:-/tmp/sc-sglang}
 vllm_path=${KVCACHED_VLLM_PYTHONPATH:-/tmp/sc-vllm}
 both=(--vllm-path "$vllm_path" --sglang-path "$sglang_path")
+[ -n "${KVCACHED_VLLM_PYTHONPATH:-}" ] && export PYTHONPATH=$KVCACHED_VLLM_PYTHONPATH
 gdn='{"additional_config": {"gdn_prefill_backend": "triton"}}'
 fp8='{"kv_cache_dtype": "fp8_e4m3"}'
 rc=0
@@ -118,7 +124,9 @@ run_sglang() { PYTHONPATH=$sglang_path run "$@"; }
 for step in "${steps[@]}"; do
   echo "== $(date -Is) $step" | tee -a "$OUT/steps.txt"
   t0=$(date +%s)
-  case "$step" in
+  base=${step%@*} && base=${base%.[0-9]*} && given_path=${PYTHONPATH-}
+  [ "${step#*@}" != "$step" ] && export PYTHONPATH=/tmp/sc-${step#*@}
+  case "$base" in
     suite) OUT="$OUT/suite" bash scripts/gpu_suite.sh --ignore=tests/engines > "$OUT/suite.log" 2>&1 || rc=1
       { grep -E "passed|failed" "$OUT/suite/pytest.log" | tail -3; tail -n 4 "$OUT"/suite/bench_*.txt; } > "$OUT/suite.txt" ;;
     model)
@@ -168,7 +176,7 @@ for step in "${steps[@]}"; do
     hybrid) run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 --kv 2G \
       --only native,kvcached,native-2,native-dirty --control --engine-args "$gdn" ;;
     hybrid-eager|hybrid-sync)
-      [ "$step" = hybrid-eager ] && knob='"enforce_eager": true' || knob='"async_scheduling": false'
+      [ "$base" = hybrid-eager ] && knob='"enforce_eager": true' || knob='"async_scheduling": false'
       run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 --kv 2G \
         --only native,kvcached --engine-args "${gdn%\}}, $knob}" ;;
     hybrid-ro) KVCACHED_ZERO_PAGE=ro run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 \
@@ -184,10 +192,10 @@ for step in "${steps[@]}"; do
     # run (window blocks leave and stay cached), 4G each: nothing evicted; the limits about a third of
     # what is live at once. FP8: the 1B shape's 16 KiB a token in fp8, 200 prompts ~2.4 GiB: 3G each.
     gemma3|gemma4)
-      [ "$step" = gemma3 ] && model=$gemma3 || model=$gemma4
+      [ "$base" = gemma3 ] && model=$gemma3 || model=$gemma4
       run "$step" $proof/correctness.py --model "$model" --prompts 200 --kv 4G --only native,kvcached,native-2 --control ;;
     gemma3-limit|gemma4-limit)
-      [ "$step" = gemma3-limit ] && model=$gemma3 lim=512M || model=$gemma4 lim=768M
+      [ "$base" = gemma3-limit ] && model=$gemma3 lim=512M || model=$gemma4 lim=768M
       run "$step" $proof/correctness.py --model "$model" --prompts 200 --kv 4G --limit "$lim" \
         --only native-bi,kvcached-limit,native-small --control ;;
     fp8) run "$step" $proof/correctness.py --model "$small" --prompts 200 --kv 3G \
@@ -232,11 +240,12 @@ for step in "${steps[@]}"; do
     router-mixed) PYTHONPATH=$vllm_path run "$step" $proof/router_three.py --model "$small" \
       --models A=vllm:kv,B=sglang:kv "${both[@]}" --plot "$OUT/gpu_router_mixed.png" ;;
     sleep-engine|sleep-engine-stop)
-      if [ "$step" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
+      if [ "$base" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
       run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" ;;
     *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma4 gemma4-limit fp8 fp8-limit overhead three router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-fp8 mixed router-mixed sleep-engine sleep-engine-stop)" >&2
        exit 2 ;;
   esac
+  export PYTHONPATH=$given_path
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"
   [ -d "$WORK/$step" ] && tar czf "$OUT/$step.tgz" -C "$WORK" --exclude='prompts.json' "$step"
 done
