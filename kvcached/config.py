@@ -220,8 +220,8 @@ VARIABLES: Tuple[Var, ...] = (
         type="str",
         default="rw",
         meaning="`ro` maps the zero page behind unmapped KV memory read-only: a kernel writing where "
-        "no page is mapped faults instead of changing what all unmapped memory reads (a probe: "
-        "proven on the host backend, not yet on a GPU)",
+        "no page is mapped faults instead of changing what all unmapped memory reads (a probe: on a "
+        "GPU the writing process dies with SIGSEGV; run on an H100 with vLLM, docs/GPU.md)",
     ),
     Var(
         name="KVCACHED_FAULT_INJECT",

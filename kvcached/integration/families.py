@@ -172,7 +172,15 @@ def _refused_everywhere(key: str, name: str, feature: str, spec: str) -> Family:
 
 _HYBRID_GPU_WHY = (
     "on the H200 (vLLM 0.26) a Qwen3-Next gave other greedy tokens than without kvcached in 29, 0 and 19 "
-    f"of 200 sequences in three runs, each with native's very schedule, not yet explained ({_GPU_DOC})"
+    "of 200 sequences in three runs, each with native's very schedule, not yet explained (0 of 200 in four "
+    "runs since, with a read-only zero page; under a limit native's own recompute differs, so no limit run "
+    f"can decide yet: {_GPU_DOC})"
+)
+# 2026-12-05, H100, vLLM 0.26: gemma3-limit (scripts/gpu_engines.sh).
+_SLIDING_GPU_WHY = (
+    "a tiny Gemma 3 under a 512 MiB limit (46 preemptions) gave other greedy tokens than native with a pool "
+    "that small in 175 of 200 sequences, with that native's very schedule; identical without a limit "
+    f"({_GPU_DOC})"
 )
 
 FAMILIES: Tuple[Family, ...] = (
@@ -202,7 +210,18 @@ FAMILIES: Tuple[Family, ...] = (
         "FP8 KV cache",
         "an FP8 KV cache",
         vllm_cpu=ci("`kv_cache_dtype=fp8` (x86 with AVX-512 or AMX)"),
+        vllm_gpu=h200(
+            ["0.26", "0.29"],
+            "H100, `kv_cache_dtype=fp8_e4m3`, Llama-3.2-1B shape: 0 of 200 sequences differ from native, as "
+            "from a second native (both releases), and 0 of 200 under a 1 GiB limit (58 preemptions) against "
+            "native with a pool that small and with batch-invariant kernels",
+        ),
         sglang_cpu=ci("`--kv-cache-dtype fp8_e4m3`"),
+        sglang_gpu=h200(
+            ["0.5.17"],
+            "H100, `--kv-cache-dtype fp8_e4m3`, Llama-3.2-1B shape: 0 of 200 sequences differ from native, as "
+            "from a second native",
+        ),
         # A dtype of full attention: no spec class of its own.
         sglang_pools=("MHATokenToKVPool",),
         builders=("llama",),
@@ -217,6 +236,14 @@ FAMILIES: Tuple[Family, ...] = (
             "a 2,000-token decode; SGLang serves Gemma 3 from one pool (its hybrid SWA memory is off for "
             "Gemma 2/3), the window a mask; SWA composite pools from SGLang's classes (0.5.21+)"
         ),
+        # Identical without a limit on 0.26 and 0.29 (H100, 200 prompts, outputs to 2,386 tokens);
+        # under one, not: refused until the bisecting steps (gemma3-limit-ro/-eager/-sync) say why.
+        vllm_gpu=refused(_SLIDING_GPU_WHY),
+        sglang_gpu=h200(
+            ["0.5.17"],
+            "H100, tiny Gemma 3 (window 512) in SGLang's one pool: 0 of 200 sequences differ from native, as "
+            "from a second native (no limit run yet)",
+        ),
         vllm_specs=("SlidingWindowSpec",),
         sglang_pools=("MHATokenToKVPool", "SWAKVPool"),
         builders=("gemma3",),
@@ -228,6 +255,11 @@ FAMILIES: Tuple[Family, ...] = (
         "layers of different KV head sizes",
         vllm_cpu=ci(
             "hybrid and one-group (vLLM 0.26 cannot load Gemma 4 with transformers 5.x)", versions=["0.29", "0.32"]
+        ),
+        vllm_gpu=not_run(
+            "no native engine starts it on the lent GPU's image: vLLM 0.26 with transformers 5.17 refuses its "
+            "per-layer `head_dim`; 0.29's FlashAttention for head size 256 imports `cutlass` (nvidia-cutlass-dsl), "
+            "not in the carried set; its sliding-window layers are refused on a GPU as Gemma 3's"
         ),
         sglang_cpu=classes(
             "SWA composite with sub-pools of head sizes 32 and 64 from SGLang's classes (0.5.23); SGLang's CPU "
@@ -245,12 +277,13 @@ FAMILIES: Tuple[Family, ...] = (
         "multi-head latent attention (MLA)",
         vllm_cpu=not_run("vLLM's CPU build has no MLA attention"),
         vllm_gpu=h200(
-            ["0.26"],
+            ["0.26", "0.29"],
             "FlashAttention-MLA, CUDA graphs, async scheduling; tiny DeepSeek-V2 with the real 512 + 64 latent: "
             "200 prompts, outputs to 2,386 tokens, identical with and without kvcached, as with a native "
             "control; under a 256 MiB limit (116 preemptions) 89 of 200 differ from unlimited native, as do 90 "
             "of native's own with a pool that small (88 the same sequences; MLA's recompute is not bit-equal), "
-            "and kvcached and that native differ in 9",
+            "and kvcached and that native differ in 9; 0.29 (H100): 0 of 200 differ from a second native, which "
+            "matches kvcached, while the first native run differs from both in 93 (native's own noise)",
         ),
         sglang_cpu=classes(
             "MLA pool layout equals SGLang's (`test_pools_allocators.py`); SGLang's CPU build cannot run a "
@@ -405,7 +438,7 @@ def _gpu_cell(f: Family) -> str:
     return "; ".join(f"{ENGINE_NAMES[e]}{' ' if f.status(e, 'gpu').state == PROVEN else ': '}{p}" for e, p in parts)
 
 
-README_HEADER = ("family", "vLLM (CPU engine)", "SGLang (CPU engine)", "GPU (H200)")
+README_HEADER = ("family", "vLLM (CPU engine)", "SGLang (CPU engine)", "GPU (lent H200 or H100)")
 
 
 def readme_rows() -> List[Tuple[str, ...]]:

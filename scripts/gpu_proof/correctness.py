@@ -363,6 +363,7 @@ def main(argv: List[str] | None = None) -> int:
         (limited, "kvcached-limit", limited == "native-bi"),
         ("native-small", "kvcached-limit", True),
         ("native", "native-2", False),
+        ("native-2", "kvcached", False),  # when native differs from itself: which run kvcached matches
         (limited, "native-small", False),
         ("native", "native-dirty", False),
     )
