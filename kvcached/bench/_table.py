@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 
 def print_table(
-    rows: Sequence[Dict[str, object]], columns: Sequence[str], as_json: bool, meta: Dict[str, object]
+    rows: Sequence[Dict[str, object]], columns: Optional[Sequence[str]], as_json: bool, meta: Dict[str, object]
 ) -> None:
+    """``columns``: the table's columns in order; None: the first row's keys (a benchmark
+    whose rows are built in table order names its columns once, in the row)."""
+    if columns is None:
+        columns = list(rows[0]) if rows else []
     if as_json:
         print(json.dumps({"meta": meta, "rows": list(rows)}, indent=2))
         return

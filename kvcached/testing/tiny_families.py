@@ -39,14 +39,9 @@ import os
 import sys
 from typing import Any, Callable, Dict
 
-from kvcached.testing.tiny_model import _vocab, _write_tokenizer
+from kvcached.testing.tiny_model import _token_ids, _vocab, _write_tokenizer
 
 __all__ = ["BUILDERS", "FAMILIES", "build_tiny", "build_tiny_family"]
-
-
-def _token_ids(vocab: Dict[str, int]) -> Dict[str, int]:
-    """The word-level tokenizer's special tokens, for the model and generation configs."""
-    return dict(bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
 
 
 def _gemma_sizes(sizes: Dict[str, Any]) -> Dict[str, Any]:

@@ -71,6 +71,11 @@ def _vocab(vocab_size: int) -> dict[str, int]:
     return {w: idx for idx, w in enumerate(words)}
 
 
+def _token_ids(vocab: dict[str, int]) -> dict[str, int]:
+    """The word-level tokenizer's special tokens, for the model and generation configs."""
+    return dict(bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
+
+
 def _write_tokenizer(path: str, vocab_size: int, max_len: int) -> None:
     from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordLevel
@@ -216,7 +221,7 @@ def build_tiny_llama(
         "num_key_value_heads": num_kv_heads,
         "num_hidden_layers": num_layers,
     }
-    special = {"bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"], "pad_token_id": vocab["<pad>"]}
+    special = _token_ids(vocab)
     config = LlamaConfig(
         **cfg,
         **special,
