@@ -150,6 +150,7 @@ class InstanceLimits:
         self._published = 0  # the `granted` bytes last written to the record
         self._pa: Any = None
         self._bpp = 1
+        self._below_page_said = -_GIVE_BACK_LOG_S  # when a limit under one page was last logged
         self._quantum = 1
         self._applied_revision = 0
         self._peer_sum = (-1.0, 0)  # (monotonic time, bytes held by the other members)
@@ -310,6 +311,16 @@ class InstanceLimits:
         with self._lock:
             self._applied_revision = int(snap.revision)
         self._tracker.ack_revision(snap.revision)
+        now = time.monotonic()
+        if self._pa is not None and 0 < self._limit < self._bpp and now - self._below_page_said >= _GIVE_BACK_LOG_S:
+            # Applied as written (the writer cannot see the page size), but an engine held to it
+            # admits nothing: say so where its operator looks (at most once per _GIVE_BACK_LOG_S: writes may be many).
+            self._below_page_said = now
+            logger.warning(
+                "kvcached: %s: limit %s is less than one page of this instance (%s: every layer's K and V); "
+                "nothing can be mapped until it is at least that: kvctl limit %s %s",
+                self.name, format_size(self._limit), format_size(self._bpp), self.name, self._bpp,
+            )  # fmt: skip
         return int(snap.revision)
 
     def _reclaim(self) -> bool:

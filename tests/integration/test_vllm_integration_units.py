@@ -759,8 +759,9 @@ def test_a_hybrid_buffer_counts_the_tokens_of_its_attention_layer():
 
 def test_a_gpu_worker_refuses_state_kinds_not_proven_on_a_gpu(monkeypatch, caplog):
     """Mamba / GDN state and sliding-window layers are proven on the CPU engines; on a GPU a
-    Qwen3-Next, and a Gemma 3 under a limit, gave other tokens than native with the same schedule. A CUDA worker fails closed in one line
-    naming the way out; the CPU serves it; KVCACHED_ALLOW_UNSUPPORTED=1 tries it with a warning."""
+    Qwen3-Next, and a Gemma 3 under a limit, gave other tokens than native with the same
+    schedule. A CUDA worker fails closed in one line naming the way out; the CPU serves it;
+    KVCACHED_ALLOW_UNSUPPORTED=1 tries it with a warning."""
     from kvcached.integration.vllm.kv_layout import refuse_unproven_on_device
 
     monkeypatch.delenv("KVCACHED_ALLOW_UNSUPPORTED", raising=False)

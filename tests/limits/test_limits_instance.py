@@ -462,3 +462,22 @@ def test_an_exited_owner_not_yet_reaped_holds_nothing(prefix):
         p.kill()
         p.wait(10)
     assert not read_record(prefix + "t").alive
+
+
+def test_a_limit_below_one_page_is_applied_and_says_the_engine_can_map_nothing(host, prefix, caplog):
+    """The writer cannot see the page size: the owner applies a limit smaller than one page as
+    written (nothing can be mapped) and says so in one line with the limit that would work."""
+    pa = host()
+    lim = InstanceLimits.for_page_allocator(pa, engine="t", device="cpu", name=prefix + "p", budget=None)
+    try:
+        writer = _C.MemInfoTracker.open(prefix + "p")
+        with caplog.at_level("WARNING", logger="kvcached.limits.instance"):
+            wait_applied(lim, writer.set_limit(BPP // 2))
+            with pytest.raises(OutOfMemoryError):
+                pa.alloc_page()
+            wait_applied(lim, writer.set_limit(BPP))
+        lines = [r.getMessage() for r in caplog.records if "less than one page" in r.getMessage()]
+        assert len(lines) == 1 and f"kvctl limit {prefix}p {BPP}" in lines[0]
+        assert pa.alloc_page() is not None  # one page: admitted
+    finally:
+        lim.close()
