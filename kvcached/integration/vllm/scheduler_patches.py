@@ -54,7 +54,7 @@ class StallBackoff:
     when a stall passes ``warn_after_s``, naming the limit.
     """
 
-    def __init__(self, pool: ElasticBlockPool, first_s: float = 0.0005, max_s: float = 0.01,
+    def __init__(self, pool: ElasticBlockPool, first_s: float = 0.0005, max_s: float = 0.005,
                  warn_after_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
         self.pool, self.first_s, self.max_s, self.warn_after_s, self._sleep = pool, first_s, max_s, warn_after_s, sleep
         self.delay_s = 0.0
