@@ -237,7 +237,7 @@ FAMILIES: Tuple[Family, ...] = (
             "Gemma 2/3), the window a mask; SWA composite pools from SGLang's classes (0.5.21+)"
         ),
         # Identical without a limit on 0.26 and 0.29 (H100, 200 prompts, outputs to 2,386 tokens);
-        # under one, not: refused until the bisecting steps (gemma3-limit-ro/-eager/-sync) say why.
+        # under one, not: refused until the bisecting steps (gemma3-limit-loose/-ro/-eager/-sync) say why.
         vllm_gpu=refused(_SLIDING_GPU_WHY),
         sglang_gpu=h200(
             ["0.5.17"],
