@@ -13,6 +13,8 @@ translates its engine's objects and seams; the policy lives here, once:
                     fence, the "want" signal to peers sharing the device budget
                     and the decision to give memory back while idle.
 ``cache_bound``     the ``KVCACHED_MAX_CACHED_TOKENS`` bound on the prefix cache.
+``stall``           ``StallBackoff``: an engine loop that admits nothing sleeps a
+                    little longer each turn instead of spinning.
 ``cleanup``         removing what crashed instances left behind.
 ==================  ===========================================================
 
@@ -23,5 +25,6 @@ from kvcached.elastic.cache_bound import cache_excess_tokens
 from kvcached.elastic.fence import ReleaseFence
 from kvcached.elastic.instance import ElasticInstance, IdleAction
 from kvcached.elastic.pool import ElasticPool
+from kvcached.elastic.stall import StallBackoff
 
-__all__ = ["ElasticInstance", "ElasticPool", "IdleAction", "ReleaseFence", "cache_excess_tokens"]
+__all__ = ["ElasticInstance", "ElasticPool", "IdleAction", "ReleaseFence", "StallBackoff", "cache_excess_tokens"]

@@ -36,6 +36,10 @@ idle turn). An idle scheduler that sees a peer's current want evicts its
 unlocked prefix cache and gives back the emptied pages, the mapped reserve and
 unused budget: a busy peer must not wait for an idle one's cache.
 
+Pacing: an idle turn with requests waiting, none admitted and nothing in flight
+(a limit below what they need, peers holding the budget) sleeps a little longer
+each time, up to 5 ms, instead of spinning (``kvcached.elastic.stall``).
+
 A lowered limit (``kvctl limit``): no page is mapped past it from then on, and
 pages with live blocks are released as their blocks are freed. Blocks held
 only by the prefix cache would keep their pages forever, so after each batch
@@ -49,9 +53,9 @@ import json
 import logging
 import os
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
-from kvcached.elastic import IdleAction, cache_excess_tokens
+from kvcached.elastic import IdleAction, StallBackoff, cache_excess_tokens
 from kvcached.elastic.cache_bound import max_cached_tokens
 from kvcached.integration.patch_base import summary_of
 from kvcached.integration.sglang.admission import tokens_wanted
@@ -112,6 +116,8 @@ def after_result(scheduler: Any, result: Any) -> None:
         bound_prefix_cache(tree)
         shrink_to_limits(tree)
         note_waiting(scheduler)
+        if _stall is not None:
+            _stall.progress()  # a batch ran
     timer.end_step()
 
 
@@ -126,8 +132,25 @@ def on_idle(scheduler: Any) -> None:
         tree = getattr(scheduler, "tree_cache", None)
         shrink_to_limits(tree)  # emptied pages retire...
         release_all()  # ...and are released at once: nothing is in flight
-        if not note_waiting(scheduler):
+        waiting = note_waiting(scheduler)
+        if not waiting:
             give_back_to_peers(tree)
+        stall = _stall_backoff()
+        if stall is not None and waiting:  # requests wait, none was admitted, none runs
+            stall.stalled(len(scheduler.waiting_queue))
+        elif stall is not None:
+            stall.progress()
+
+
+_stall: Optional[StallBackoff] = None
+
+
+def _stall_backoff() -> Optional[StallBackoff]:
+    """This scheduler's pacing of idle turns that admit nothing (None before a pool is elastic)."""
+    global _stall
+    if _stall is None and instance().pools:
+        _stall = StallBackoff(instance().pools[0])
+    return _stall
 
 
 def note_waiting(scheduler: Any) -> bool:

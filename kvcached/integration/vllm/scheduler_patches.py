@@ -18,17 +18,15 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import time
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
-from kvcached.elastic import IdleAction
+from kvcached.elastic import IdleAction, StallBackoff
 from kvcached.integration.patch_base import wrap_method
 from kvcached.integration.vllm import offload
 from kvcached.integration.vllm.backend import building_pools
 from kvcached.integration.vllm.block_pool import ElasticBlockPool, PoolShortage
 from kvcached.integration.vllm.slot_rollback import rollback, snapshot
-from kvcached.units import format_size
 
 logger = logging.getLogger("vllm.kvcached")
 
@@ -42,46 +40,6 @@ def _pool_of(scheduler: Any) -> Any:
     return pool if isinstance(pool, ElasticBlockPool) else None
 
 
-class StallBackoff:
-    """Paces a scheduler that admits nothing while requests wait and none runs.
-
-    vLLM's engine loop steps again at once while it has requests; natively a
-    request that can never fit is refused on arrival, but under a kvcached limit
-    (or while peers hold the device budget) waiting requests can stay unadmitted:
-    the loop would spin millions of empty steps. Each stalled step sleeps a
-    little longer (``first_s`` doubling to ``max_s``; a peer's give-back is still
-    seen within ``max_s``); a step that schedules anything resets it. One line
-    when a stall passes ``warn_after_s``, naming the limit.
-    """
-
-    def __init__(self, pool: ElasticBlockPool, first_s: float = 0.0005, max_s: float = 0.005,
-                 warn_after_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
-        self.pool, self.first_s, self.max_s, self.warn_after_s, self._sleep = pool, first_s, max_s, warn_after_s, sleep
-        self.delay_s = 0.0
-        self.since: Optional[float] = None
-        self.warned = False
-
-    def after_schedule(self, scheduler: Any, out: Any) -> None:
-        if getattr(out, "total_num_scheduled_tokens", 1) or scheduler.running or not scheduler.waiting:
-            self.delay_s, self.since, self.warned = 0.0, None, False
-            return
-        now = time.monotonic()
-        if self.since is None:
-            self.since = now
-        elif not self.warned and now - self.since >= self.warn_after_s:
-            self.warned = True
-            backend = self.pool.backend
-            limit = backend.pool.limit_bytes()
-            logger.warning(
-                "kvcached: %s: %d requests waiting, none admitted for %.0f s (limit %s, page %s): raise the "
-                "limit (kvctl limit %s SIZE) or free memory on the device",
-                backend.name, len(scheduler.waiting), now - self.since,
-                "none" if limit is None else format_size(limit), format_size(backend.pool.bytes_per_page), backend.name,
-            )  # fmt: skip
-        self.delay_s = min(self.max_s, self.delay_s * 2 if self.delay_s else self.first_s)
-        self._sleep(self.delay_s)
-
-
 def count_steps(scheduler: Any, pool: ElasticBlockPool) -> None:
     """Wraps this scheduler's ``schedule`` / ``update_from_output`` (instance
     attributes shadow the class's) to drive the pool's release fence and want,
@@ -90,7 +48,7 @@ def count_steps(scheduler: Any, pool: ElasticBlockPool) -> None:
     instance = pool.backend.instance
     schedule = scheduler.schedule
     update = scheduler.update_from_output
-    stall = StallBackoff(pool)
+    stall = StallBackoff(pool.backend.pool)
 
     @functools.wraps(schedule)
     def schedule_wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -101,7 +59,10 @@ def count_steps(scheduler: Any, pool: ElasticBlockPool) -> None:
             fence.depth -= 1
         fence.launched()
         instance.end_step()
-        stall.after_schedule(scheduler, out)
+        if getattr(out, "total_num_scheduled_tokens", 1) or scheduler.running or not scheduler.waiting:
+            stall.progress()
+        else:  # requests wait, none was admitted, none runs
+            stall.stalled(len(scheduler.waiting))
         return out
 
     @functools.wraps(update)
