@@ -1,5 +1,6 @@
-"""Where a burst's first second goes: the timeline of memory moving from an
-idle peer to a loaded engine, from a ``KVCACHED_TRACE`` folder.
+"""Where a burst's first second goes: a timeline from a KVCACHED_TRACE folder.
+
+Memory moves from an idle peer to a loaded engine; the trace says when each step did.
 
     python -m kvcached.bench burst --trace DIR [--json]
         reads a trace written by engines run with KVCACHED_TRACE=DIR.
