@@ -35,10 +35,17 @@ class Phase:
     amount: str = ""  # the field shown, e.g. "pages"
     positive: bool = True  # the phase happened only where ``amount`` > 0 (work done, not just tried)
     before: bool = False  # looked for before the want (the last one since the previous burst)
+    # The wanting engine's own chain (grant -> map -> admitted): looked for after the chain's
+    # previous phase. An allocation right after the miss may serve a running request from
+    # memory already held (seen on vLLM-CPU at +4 ms); the stalled load is admitted after the grant.
+    chained: bool = False
     alt: Optional[Callable[[Event], bool]] = None  # another event that counts as this phase
 
 
-def _watcher_unmapped(e: Event) -> bool:
+def _other_unmap(e: Event) -> bool:
+    """The workers' unmap (vLLM: inside the eviction already) or the limits watcher's."""
+    if e["event"] == "rank_unmap":
+        return int(e.get("pages", 0)) > 0
     return e["event"] == "watcher_gave" and int(e.get("unmapped", 0)) > 0
 
 
@@ -50,11 +57,13 @@ PHASES: Sequence[Phase] = (
     Phase("idle_queued", "peer queued its give-back to its engine thread", True, "idle_queued"),
     Phase("give_back_start", "peer's engine thread began the give-back", True, "give_back_start"),
     Phase("evicted", "peer evicted cached blocks", True, "evicted", "blocks"),
-    Phase("unmapped", "peer unmapped pages", True, "unmapped", "pages", alt=_watcher_unmapped),
+    Phase("unmapped", "peer unmapped pages", True, "unmapped", "pages", alt=_other_unmap),
     Phase("grant_released", "peer released grant", True, "grant_released", "bytes"),
-    Phase("grant", "grant grew for the wanting engine", False, "grant", "bytes"),
-    Phase("mapped", "wanting engine mapped pages", False, "map", "pages"),
-    Phase("admitted", "stalled load admitted (first allocation)", False, "admitted", "blocks"),
+    Phase("give_back_end", "peer's give-back done", True, "give_back_end", "pages", positive=False),
+    Phase("withdrawn", "want withdrawn (a step placed all it tried)", False, "want_withdrawn", positive=False),
+    Phase("grant", "grant grew for the wanting engine", False, "grant", "bytes", chained=True),
+    Phase("mapped", "wanting engine mapped pages", False, "map", "pages", chained=True),
+    Phase("admitted", "stalled load admitted (allocation after the grant)", False, "admitted", "blocks", chained=True),
 )
 
 # Events whose ``ms`` is work the trace measured, by side; summed over a burst's window.
@@ -100,13 +109,17 @@ def bursts(events: List[Event]) -> List[Dict[str, Any]]:
         prev = max((j for j in starts[:n] if events[j].get("instance", "") == who), default=-1)
         phases: Dict[str, Event] = {"want": want}
         window = events[i + 1 : nxt]
+        since = want["t_ns"]  # where the own chain goes on
         for ph in PHASES:
             if ph.key in phases:
                 continue
             # Before the want (what led to it): the last one since the previous burst; after: the first.
             for e in reversed(events[prev + 1 : i]) if ph.before else window:
+                if ph.chained and e["t_ns"] < since:
+                    continue
                 if (e.get("instance", "") != who) == ph.peer and _matches(e, ph):
                     phases[ph.key] = e
+                    since = e["t_ns"] if ph.chained else since
                     break
         out.append({"instance": who, "t_ns": want["t_ns"], "end_ns": end_ns, "phases": phases, "window": window})
     return out
@@ -117,10 +130,10 @@ def burst_rows(events: List[Event]) -> List[Dict[str, object]]:
     rows: List[Dict[str, object]] = []
     for n, b in enumerate(bursts(events), 1):
         t0, who = b["t_ns"], b["instance"]
-        for ph in PHASES:
-            e = b["phases"].get(ph.key)
-            if e is None:
-                continue
+        # In time order: phases of the two sides interleave (the peer may release its grant
+        # from inside its eviction).
+        for ph in sorted((p for p in PHASES if p.key in b["phases"]), key=lambda p: b["phases"][p.key]["t_ns"]):
+            e = b["phases"][ph.key]
             rows.append(
                 {
                     "burst": n,

@@ -27,6 +27,7 @@ def synthetic():
         ev(0, "A", "want", bytes=1 << 20, new=1),
         ev(0.2, "A", "grant", bytes=0, short=1 << 20, ms=0.1),  # the refused admit: not the grant phase
         ev(0.5, "B", "peer_woke", pid=3, wanted_by=1),
+        ev(0.6, "A", "admitted", blocks=1, waited_ms=20.6),  # a running request served from memory held: not it
         ev(0.9, "B", "grant_released", pid=3, bytes=0, ms=0.05),  # nothing to release yet: skipped
         ev(1.0, "B", "watcher_gave", pid=3, bytes=0, unmapped=0, ms=0.4),  # unmapped nothing: not the phase
         ev(2.0, "B", "idle_queued", pid=3, act=2),
@@ -37,11 +38,11 @@ def synthetic():
         ev(9.6, "B", "grant_released", pid=3, bytes=10 << 18, ms=0.1),
         ev(9.7, "B", "give_back_end", pid=3, pages=10, ms=3.7),
         ev(250, "A", "want", bytes=1 << 20, new=0),  # a renewal: the same burst
+        ev(259.9, "A", "want_withdrawn"),  # inside the grant's lock
         ev(260, "A", "grant", bytes=3 << 18, short=0, ms=0.3),
         ev(261, "A", "rank_map", pages=3, ms=0.6),
         ev(261.2, "A", "map", pages=3, ms=0.9),
         ev(262, "A", "admitted", blocks=2, waited_ms=282.0),
-        ev(262.5, "A", "want_withdrawn"),
     ]
 
 
@@ -56,11 +57,13 @@ def test_the_phases_of_a_burst_relative_to_the_want():
         ("peer queued its give-back to its engine thread", 2.0, None, "B", ""),
         ("peer's engine thread began the give-back", 6.0, None, "B", ""),
         ("peer evicted cached blocks", 7.0, 0.8, "B", "blocks=12"),
-        ("peer unmapped pages", 9.5, 2.0, "B", "pages=10"),
+        ("peer unmapped pages", 9.0, 1.5, "B", "pages=10"),  # the workers' unmap, first
         ("peer released grant", 9.6, 0.1, "B", "bytes=2621440"),
+        ("peer's give-back done", 9.7, 3.7, "B", "pages=10"),
+        ("want withdrawn (a step placed all it tried)", 259.9, None, "", ""),
         ("grant grew for the wanting engine", 260.0, 0.3, "", "bytes=786432"),
         ("wanting engine mapped pages", 261.2, 0.9, "", "pages=3"),
-        ("stalled load admitted (first allocation)", 262.0, None, "", "blocks=2"),
+        ("stalled load admitted (allocation after the grant)", 262.0, None, "", "blocks=2"),
         ("total: want -> admitted", 262.0, None, None, None),
         ("total: own grant (ms summed)", None, 0.4, None, None),  # the refused admit's lock too
         ("total: own map (ms summed)", None, 0.9, None, None),
