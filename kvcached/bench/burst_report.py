@@ -42,6 +42,11 @@ class Phase:
     alt: Optional[Callable[[Event], bool]] = None  # another event that counts as this phase
 
 
+def _tokens_evicted(e: Event) -> bool:
+    """SGLang evicts tokens, not blocks."""
+    return e["event"] == "evicted" and int(e.get("tokens", 0)) > 0
+
+
 def _other_unmap(e: Event) -> bool:
     """The workers' unmap (vLLM: inside the eviction already) or the limits watcher's."""
     if e["event"] == "rank_unmap":
@@ -56,7 +61,7 @@ PHASES: Sequence[Phase] = (
     Phase("peer_woke", "peer woke (limits watcher)", True, "peer_woke"),
     Phase("idle_queued", "peer queued its give-back to its engine thread", True, "idle_queued"),
     Phase("give_back_start", "peer's engine thread began the give-back", True, "give_back_start"),
-    Phase("evicted", "peer evicted cached blocks", True, "evicted", "blocks"),
+    Phase("evicted", "peer evicted its prefix cache", True, "evicted", "blocks", alt=_tokens_evicted),
     Phase("unmapped", "peer unmapped pages", True, "unmapped", "pages", alt=_other_unmap),
     Phase("grant_released", "peer released grant", True, "grant_released", "bytes"),
     Phase("give_back_end", "peer's give-back done", True, "give_back_end", "pages", positive=False),
@@ -83,14 +88,16 @@ def _ms(ns: int) -> float:
 
 
 def _matches(e: Event, ph: Phase) -> bool:
-    if e["event"] == ph.event:
-        return not (ph.amount and ph.positive) or int(e.get(ph.amount, 0) or 0) > 0
+    if e["event"] == ph.event and (not (ph.amount and ph.positive) or int(e.get(ph.amount, 0) or 0) > 0):
+        return True
     return ph.alt is not None and ph.alt(e)
 
 
 def _amount(e: Event, ph: Phase) -> str:
     if e["event"] == "watcher_gave":
         return f"unmapped={e.get('unmapped', 0)}"
+    if ph.amount and ph.amount not in e and "tokens" in e:
+        return f"tokens={e['tokens']}"
     return f"{ph.amount}={e[ph.amount]}" if ph.amount and ph.amount in e else ""
 
 

@@ -56,7 +56,7 @@ def test_the_phases_of_a_burst_relative_to_the_want():
         ("peer woke (limits watcher)", 0.5, None, "B", ""),
         ("peer queued its give-back to its engine thread", 2.0, None, "B", ""),
         ("peer's engine thread began the give-back", 6.0, None, "B", ""),
-        ("peer evicted cached blocks", 7.0, 0.8, "B", "blocks=12"),
+        ("peer evicted its prefix cache", 7.0, 0.8, "B", "blocks=12"),
         ("peer unmapped pages", 9.0, 1.5, "B", "pages=10"),  # the workers' unmap, first
         ("peer released grant", 9.6, 0.1, "B", "bytes=2621440"),
         ("peer's give-back done", 9.7, 3.7, "B", "pages=10"),
@@ -106,6 +106,16 @@ def test_two_bursts_and_one_never_admitted():
         "total: never admitted in the trace",
     ]
     assert second[0]["at_ms"] == -1.0
+
+
+def test_sglang_evicts_tokens():
+    events = [
+        ev(0, "A", "want", bytes=1, new=1),
+        ev(1, "B", "evicted", pid=3, tokens=830, ms=0.9),
+        ev(3, "A", "admitted", blocks=1),
+    ]
+    row = next(r for r in burst_rows(events) if r["phase"] == "peer evicted its prefix cache")
+    assert (row["at_ms"], row["took_ms"], row["amount"]) == (1.0, 0.9, "tokens=830")
 
 
 def test_no_want_no_rows():
