@@ -224,6 +224,14 @@ VARIABLES: Tuple[Var, ...] = (
         "GPU the writing process dies with SIGSEGV; run on an H100 with vLLM, docs/GPU.md)",
     ),
     Var(
+        name="KVCACHED_TRACE",
+        type="str",
+        default="-",
+        meaning="folder where every kvcached process appends a JSON-lines trace of how memory moves (wants, "
+        "wakes, evictions, maps, unmaps, grants; one file per process, 0600); "
+        "`python -m kvcached.bench burst --trace DIR` turns it into a timeline. Unset: no trace, no cost",
+    ),
+    Var(
         name="KVCACHED_FAULT_INJECT",
         type="spec",
         default="-",
@@ -532,6 +540,11 @@ def ipc_spin_us() -> float:
     if us < 0:
         raise ValueError(f"{name}={os.environ.get(name)!r} must be >= 0")
     return us
+
+
+def trace_dir() -> Optional[str]:
+    """KVCACHED_TRACE: the folder of the event trace (None: unset, no trace; kvcached.trace)."""
+    return get_str("KVCACHED_TRACE")
 
 
 def ipc_fault_inject() -> Optional[str]:

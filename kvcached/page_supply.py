@@ -24,7 +24,7 @@ import math
 import time
 from typing import Any, Callable, List, Optional
 
-from kvcached import _C, config
+from kvcached import _C, config, trace
 from kvcached.block_geometry import BlockGeometry
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.manager_setup import Mapper, reserve_bounds
@@ -75,7 +75,11 @@ class PageSupply:
         """``n_pages`` fresh page ids, admitted by the budget first; OutOfMemoryError when short."""
         if self.limits is not None:
             self.limits.admit_pages(n_pages)  # device budget; OutOfMemoryError when short
-        return self.allocator.alloc_pages(n_pages)
+        t0 = trace.start()
+        pids = self.allocator.alloc_pages(n_pages)
+        if t0:  # pages from the mapped reserve cost no map: say how many were fresh
+            trace.end("map", t0, self.limits.name if self.limits is not None else "", pages=len(pids))
+        return pids
 
     def take_page_zero(self) -> bool:
         """Page 0, the null block's: True when taken, False when memory is short (ask again later)."""

@@ -12,4 +12,5 @@ BENCHMARKS = {
     "sglang": "SGLang throughput and TTFT with and without kvcached, in one run",
     "vllm": "vLLM output tokens/s and TTFT with and without kvcached, in one run",
     "router": "latency and throughput the router adds in front of an engine (kvcached serve vs direct)",
+    "burst": "where a burst's first second goes: want, peer wake, evict, unmap, grant, map, admit (a trace)",
 }

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Callable, List, Optional
 
+from kvcached import trace
 from kvcached.elastic.fence import ReleaseFence
 from kvcached.elastic.pool import ElasticPool
 
@@ -70,6 +71,7 @@ class ElasticInstance:
         self.closed = False
         self.asleep = False  # between sleep() and wake()
         self._missed_in_step = False
+        self._missed_at_ns = 0  # traced only (KVCACHED_TRACE): the first miss not yet followed by an allocation
         self._next_peer_check = 0.0
         self._watcher: Optional[IdleWatcher] = None
         for p in pools or ():
@@ -87,8 +89,19 @@ class ElasticInstance:
         """A request needing ``need_tokens`` more tokens (0: one page) could not get
         memory in this step: tell peers if the budget is why."""
         self._missed_in_step = True
+        if trace.ON and not self._missed_at_ns:
+            self._missed_at_ns = time.monotonic_ns()
+            trace.event("missed", self.name, tokens=int(need_tokens))
         for p in self.pools:
             p.note_shortage(need_tokens)
+
+    def traced_allocation(self, blocks: int) -> None:
+        """Tracing only (callers test ``trace.ON``): ``blocks`` were handed out (SGLang: 1, a
+        batch launched); the first allocation after a miss is when the stalled load is admitted."""
+        if self._missed_at_ns and blocks > 0:
+            waited = (time.monotonic_ns() - self._missed_at_ns) / 1e6
+            self._missed_at_ns = 0
+            trace.event("admitted", self.name, blocks=int(blocks), waited_ms=round(waited, 3))
 
     def end_step(self) -> None:
         """After each step: a step without a shortage withdraws the want, so idle peers keep their cache."""
@@ -129,6 +142,7 @@ class ElasticInstance:
         """Idle, after the adapter evicted what it wanted to: releases every
         emptied page (when no step is in flight), the mapped reserve and unused
         budget. Returns the pages given back."""
+        t0 = trace.start()
         before = [p.mapped_pages() for p in self.pools]
         if self.fence.in_flight <= 0:
             self.fence.idle()
@@ -140,6 +154,7 @@ class ElasticInstance:
             returned += n
             if p.limits is not None:
                 p.limits.stats.gave_back(n * p.bytes_per_page)  # the record's give-back counters
+        trace.end("unmapped", t0, self.name, pages=returned)
         return returned
 
     # ---- the engine's own sleep -----------------------------------------------------
@@ -234,6 +249,7 @@ class IdleWatcher(threading.Thread):
                 act = inst.idle_action(rate_limited=False)  # this thread's wait is the rate limit
                 if act:
                     self.queued = True
+                    trace.event("idle_queued", inst.name, act=act.value)  # the hop to the engine's thread starts
                     self.schedule(act)
             except Exception as e:  # keep watching; say it once
                 if not self._warned:

@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
+from kvcached import trace
 from kvcached._C import (
     ERROR_KIND_BACKEND,
     ERROR_KIND_SHUTDOWN,
@@ -313,11 +314,13 @@ class TPCoordinator:
         offsets = list(offsets)
         if not offsets:
             return
+        t0 = trace.start()
         with self._transaction() as tx:
             results = self._fan_out(self._peers, Cmd.MAP, protocol.offsets_body(self.group_id, tx, offsets))
             bad = [(p, r) for p, r in zip(self._peers, results) if r.status != _OK]
             if not bad:
                 self._note_already_mapped(results)
+                trace.end("rank_map", t0, self.ipc_name, pages=len(offsets), ranks=len(self._peers))
                 return
             # Ranks that mapped, or may have: undo exactly this transaction there.
             # A rank that answered with an error was rolled back by its data plane.
@@ -335,12 +338,14 @@ class TPCoordinator:
         offsets = list(offsets)
         if not offsets:
             return
+        t0 = trace.start()
         with self._transaction() as tx:
             txb = protocol.group_tx_body(self.group_id, tx)
             results = self._fan_out(self._peers, Cmd.PREPARE, protocol.offsets_body(self.group_id, tx, offsets))
             bad = [(p, r) for p, r in zip(self._peers, results) if r.status != _OK]
             if not bad:
                 unconfirmed = self._settle(self._peers, Cmd.COMMIT, txb)
+                trace.end("rank_unmap", t0, self.ipc_name, pages=len(offsets), ranks=len(self._peers))
                 if unconfirmed:
                     raise self._fail_closed(
                         f"COMMIT of unmap transaction {tx} ({len(offsets)} offset(s)) not confirmed on "

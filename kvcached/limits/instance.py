@@ -36,7 +36,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Optional, Union
 
-from kvcached import _C
+from kvcached import _C, trace
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits.budget import DeviceBudget
 from kvcached.limits.owned_record import create_record, record_trusted
@@ -259,11 +259,14 @@ class InstanceLimits:
                     # for everything unused back, the reserve pool too. On the
                     # idle timeout (or a spurious return) keep one quantum.
                     if self._tracker.wake_count() != wakes:
+                        trace.event("peer_woke", self.name, wanted_by=self._tracker.wake_count() - wakes)
+                        t0 = trace.start()
                         before, held = self._mapped_bytes(), self._published
                         self._reclaim()
                         self.release_slack(0, trim_reserve=True)
                         unmapped = before - self._mapped_bytes()
                         self.stats.gave_back(unmapped)
+                        trace.end("watcher_gave", t0, self.name, bytes=held - self._published, unmapped=unmapped)
                         self._log_give_back(held - self._published, unmapped)
                         hook = self.on_peer_short
                         if hook is not None:
@@ -386,6 +389,7 @@ class InstanceLimits:
         with self._lock:
             if self._closed:
                 return
+            t0, grant0 = trace.start(), self._grant
             with self.budget.lock():
                 others = self.budget.held_bytes(exclude=self.name)
                 avail = self.budget.budget_bytes - others
@@ -398,6 +402,7 @@ class InstanceLimits:
                     self._enforce_locked()
                     if self._wanting:
                         self._set_want(0)  # the budget covers the load again
+            trace.end("grant", t0, self.name, bytes=self._grant - grant0, short=short, pages=int(n_pages))
             if short:
                 self._publish_want(short)
                 raise OutOfMemoryError(
@@ -456,6 +461,7 @@ class InstanceLimits:
         """Publishes ``lacking`` bytes (whole pages) as this instance's want and
         wakes every peer: unused budget comes back at once, idle engines look
         for cache to give back."""
+        trace.event("want", self.name, bytes=lacking, new=int(not self._wanting))
         if not self._wanting:  # once per want, not per renewal
             logger.info(
                 "kvcached: %s wants %s more than the device budget has room for; asking idle peers",
@@ -466,6 +472,8 @@ class InstanceLimits:
         self.budget.nudge(exclude=self.name, everyone=True)
 
     def _set_want(self, nbytes: int) -> None:
+        if nbytes <= 0 and self._wanting:
+            trace.event("want_withdrawn", self.name)
         self._tracker.set_wanted(nbytes)
         self._wanting = nbytes > 0
 
@@ -510,6 +518,7 @@ class InstanceLimits:
         with self._lock:
             if self._closed:
                 return
+            t0, held = trace.start(), self._published
             mapped = self._mapped_bytes()
             # Trimming, the cap falls to the pages holding blocks before the reserve
             # is unmapped: unmapped first, the pre-mapping thread refilled it before
@@ -523,6 +532,8 @@ class InstanceLimits:
                 self._enforce_locked()  # unmaps the reserve above the new cap
             if trim_reserve and self._mapped_bytes() > floor:
                 self._pa.trim()  # a reserve within a cap that did not fall
+            if t0 and self._published < held:  # budget handed back to the device: peers may take it
+                trace.end("grant_released", t0, self.name, bytes=held - self._published)
 
     def set_asleep(self, asleep: bool) -> None:
         """The engine falls asleep (True) or wakes (False).

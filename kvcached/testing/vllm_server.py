@@ -56,6 +56,8 @@ def engine_env(kvcached: bool, name: Optional[str] = None, **extra: object) -> D
     env.update(OFFLINE_ENV)
     if os.environ.get(ENV_ENGINE_PYTHONPATH):
         env["PYTHONPATH"] = os.environ[ENV_ENGINE_PYTHONPATH]
+    if os.environ.get("KVCACHED_TRACE"):  # a trace of the engines a test starts (kvcached.trace)
+        env["KVCACHED_TRACE"] = os.environ["KVCACHED_TRACE"]
     if kvcached:
         env["ENABLE_KVCACHED"] = "true"
         env["KVCACHED_LOG_LEVEL"] = "INFO"  # kvcached's own lines (wants, give-backs) in the server log

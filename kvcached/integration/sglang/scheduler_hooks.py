@@ -55,6 +55,7 @@ import os
 import time
 from typing import Any, Dict, Optional
 
+from kvcached import trace
 from kvcached.elastic import IdleAction, StallBackoff, cache_excess_tokens
 from kvcached.elastic.cache_bound import max_cached_tokens
 from kvcached.integration.patch_base import summary_of
@@ -101,6 +102,8 @@ def after_launch(result: Any) -> None:
     if result is None or not elastic_groups():
         return
     setattr(result, _STEP, instance().fence.launched())
+    if trace.ON:  # the first batch launched after a miss: the stalled load is admitted
+        instance().traced_allocation(1)
 
 
 def after_result(scheduler: Any, result: Any) -> None:
@@ -185,13 +188,18 @@ def give_back_to_peers(tree_cache: Any) -> int:
     inst = instance()
     if not inst.idle_action() & IdleAction.GIVE_TO_PEERS:
         return 0
+    t0 = trace.start()
+    trace.event("give_back_start", inst.name)
     n = 0
     if prefix_sharing(tree_cache) and evictable_tokens(tree_cache) > 0:
+        t1 = trace.start()
         n = evict_tokens(tree_cache, evictable_tokens(tree_cache))
+        trace.end("evicted", t1, inst.name, tokens=n)
         _stats["peer_evicted_tokens"] += n
     before = sum(p.mapped_pages() for p in inst.pools)
     release_all()
     given = before - sum(p.mapped_pages() for p in inst.pools) + inst.give_back()
+    trace.end("give_back_end", t0, inst.name, pages=given)
     if given > 0:  # one line per give-back, as vLLM's idle_return_memory logs it
         logger.info(
             "kvcached: idle %s gave back %d of %d mapped pages (wanted by a peer; %d cached tokens evicted)",

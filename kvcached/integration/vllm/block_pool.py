@@ -51,6 +51,7 @@ from typing import Any, Dict, Iterable, List
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from kvcached import trace
 from kvcached.elastic import IdleAction, cache_excess_tokens
 from kvcached.elastic.cache_bound import max_cached_tokens
 from kvcached.integration.vllm.backend import VllmBackend, take_pool_context
@@ -227,6 +228,8 @@ class ElasticBlockPool(BlockPool):
             block.ref_cnt += 1
             if mc:
                 mc.on_block_allocated(block)
+        if trace.ON:
+            self.backend.instance.traced_allocation(len(ret))
         return ret
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], evict_first: bool = False) -> None:
@@ -390,14 +393,19 @@ class ElasticBlockPool(BlockPool):
         """On the EngineCore thread while the engine is idle: evicts cached
         whole pages over the limit, or all of them (and the mapped reserve)
         when peers sharing the device budget want memory."""
+        t0, name = trace.start(), self.backend.name
+        trace.event("give_back_start", name, act=act.value, cached=self.free_block_queue.num_free_blocks)
         before = self.backend.pool.mapped_pages()
         if act & IdleAction.SHRINK_TO_LIMIT:
             self._next_return_scan = 0.0
             self._maybe_return_memory()
         if act & IdleAction.GIVE_TO_PEERS:
-            self.evict_cached(self.free_block_queue.num_free_blocks, whole_pages_first=True, only_whole_pages=True)
+            t1 = trace.start()
+            n = self.evict_cached(self.free_block_queue.num_free_blocks, whole_pages_first=True, only_whole_pages=True)
+            trace.end("evicted", t1, name, blocks=n)
         self.backend.instance.give_back()
         given = before - self.backend.pool.mapped_pages()
+        trace.end("give_back_end", t0, name, pages=given)
         if given > 0:
             why = "wanted by a peer" if act & IdleAction.GIVE_TO_PEERS else "over its limit"
             logger.info("kvcached: idle %s gave back %d of %d mapped pages (%s)", self.backend.name, given, before, why)

@@ -56,6 +56,8 @@ def _env(name: str) -> Dict[str, str]:
         KVCACHED_MIN_RESERVED_PAGES="1",
         KVCACHED_MAX_RESERVED_PAGES="2",
     )
+    if os.environ.get("KVCACHED_TRACE"):  # a trace of this run: python -m kvcached.bench burst --trace DIR
+        env["KVCACHED_TRACE"] = os.environ["KVCACHED_TRACE"]
     return env
 
 
