@@ -1,5 +1,7 @@
 """BlockManager: the block ledger of one KV cache over elastic kvcached pages.
 
+Why this module is long: alloc(1)/free(1) inline BlockIndex.take_one/put_one (issue 30: 1.2x of BlockPool).
+
 The engine asks for blocks (vLLM) or token slots (SGLang) by id; this class
 hands out ids whose memory is mapped, and returns a page's physical memory
 when its last block is freed. It maps nothing itself: this process's data

@@ -58,8 +58,9 @@ class GraceTimer:
         self.period_s = float(period_s)
         self.name = name
         self.idle = True  # the thread sleeps without a timeout (or is not started)
-        self._tick = weakref.WeakMethod(tick)
         self._event = threading.Event()
+        # Its owner gone, an idle thread wakes and ends (it would wait forever otherwise).
+        self._tick = weakref.WeakMethod(tick, lambda _ref, ev=self._event: ev.set())
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
 

@@ -529,3 +529,24 @@ def test_available_size_kept_count_expires_in_a_forked_child(make):
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
+
+
+def test_an_idle_timer_thread_ends_once_its_owner_is_gone():
+    import gc
+
+    from kvcached.page_release import GraceTimer
+
+    class Owner:
+        def tick(self):
+            t.idle = True  # nothing to do: the thread goes to sleep without a timeout
+            return True
+
+    owner = Owner()
+    t = GraceTimer(owner.tick, 0.01, "kvcached-test-timer")
+    t.wake()
+    assert wait_for(lambda: t.idle, 5.0)
+    thread = t._thread
+    del owner
+    gc.collect()
+    thread.join(5.0)
+    assert not thread.is_alive()
