@@ -77,6 +77,8 @@ class BlockIndex:
         self.recount_unheld()
 
     # ------------------------------------------------------------ hot path
+    # BlockManager.alloc and free inline these two (a call costs as much as the
+    # rest of an alloc(1)+free(1) pair): a change here goes there too.
 
     def take_one(self) -> int:
         """Takes one free block from the fullest open page that has one; -1 when none has."""

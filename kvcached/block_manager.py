@@ -1,5 +1,7 @@
 """BlockManager: the block ledger of one KV cache over elastic kvcached pages.
 
+Why this module is long: alloc(1)/free(1) inline BlockIndex.take_one/put_one (issue 30: 1.2x of BlockPool).
+
 The engine asks for blocks (vLLM) or token slots (SGLang) by id; this class
 hands out ids whose memory is mapped, and returns a page's physical memory
 when its last block is freed. It maps nothing itself: this process's data
@@ -44,8 +46,11 @@ Contract (the model is vLLM's ``BlockPool``):
   block that cannot be mapped, and it is a snapshot: another process may take
   the memory before the next ``alloc``, which then returns ``None``.
 
-All public methods are thread-safe (one lock). The allocation fast path
-(a held page has a free block) is pure Python: no call into C++.
+All public methods are thread-safe (one lock, a ``kvcached.locks.TokenLock``:
+alloc and free enter it by a list pop, the rest by ``with``). The allocation
+fast path (a held page has a free block) is pure Python: no call into C++,
+no Python function call (only list, dict and int methods). ``available_size`` takes no
+lock while its kept count holds (see its doc).
 ``check_invariants()`` verifies the whole state (tests call it).
 """
 
@@ -54,7 +59,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -62,6 +66,7 @@ from kvcached import _C, block_report, config, naming
 from kvcached.block_index import BlockIndex
 from kvcached.block_ledger import FREE, OUT, RESERVED, BlockLedger
 from kvcached.errors import InvalidArgumentError, OutOfMemoryError, ShutdownError, int_arg
+from kvcached.locks import TokenLock
 from kvcached.manager_setup import (
     Barrier,
     LimitsFactory,
@@ -167,18 +172,29 @@ class BlockManager:
         self.page_allocator = self._supply.allocator
         self.bytes_per_page = self._supply.bytes_per_page
 
-        self._lock = threading.Lock()
+        # alloc and free enter it by try_enter/leave (a list pop and append),
+        # every other caller by ``with`` (``kvcached.locks.TokenLock``).
+        self._lock = TokenLock()
+        self._enter = self._lock.try_enter
+        self._leave = self._lock.leave
         self._ledger = BlockLedger(geo.num_blocks)
         self._index = BlockIndex(geo)
         self._release = PageRelease(
             self._index, self.page_allocator, self._lock, defer=self.defer_physical_release, grace_s=grace,
             max_parked=MAX_PARKED_PAGES, barrier=release_barrier, name=f"g{self.group_id}",
         )  # fmt: skip
+        self._release.on_release = self._supply.changed  # a released page changes what can be mapped
         # The fast paths' handles on the ledger and the index (bound once: a
         # pair of alloc(1)+free(1) is ~10 attribute loads, each one counts).
+        # These objects are changed in place only, never replaced.
         self._states = self._ledger.states
-        self._take_one = self._index.take_one
-        self._put_one = self._index.put_one
+        self._held = self._index.held
+        self._buckets = self._index.buckets
+        # The page of every block id (free's fast path: one subscript, no arithmetic);
+        # one int object per page, shared: 8 bytes a block.
+        B, P = geo.block_mem_size, geo.page_size
+        pids = list(range((geo.num_blocks - 1) * B // P + 1))
+        self._page_of: List[int] = [pids[b * B // P] for b in range(geo.num_blocks)]
         self.null_block: Optional[List[int]] = None
         self._null_pending = self.reserve_null_block
         self._started = False
@@ -220,6 +236,7 @@ class BlockManager:
             self._ledger.hold_null(self._index)
             self.null_block = [0]
             self._null_pending = False
+            self._supply.changed()  # page 0 is held now
         if self._supply.want_prealloc:
             self.page_allocator.start_prealloc_thread()
         self._started = True
@@ -232,14 +249,35 @@ class BlockManager:
         Raises InvalidArgumentError for a size below 1, ShutdownError after
         shutdown(), and other data-plane errors (after a full rollback).
         """
-        with self._lock:
+        try:
+            self._enter()
+        except IndexError:  # another thread holds the lock: wait for it
+            with self._lock:
+                return self._alloc(need_size)
+        try:
             if need_size.__class__ is int and need_size == 1 and not self._ledger.reserved:
-                # Fast path: one block from the fullest page that has a free one.
-                b = self._take_one()
-                if b >= 0:
+                # Fast path: one block from the fullest open page that has a free one
+                # (BlockIndex.take_one inlined: the call would cost a third of the pair).
+                index = self._index
+                m = index.mask
+                if m:
+                    k = (m & -m).bit_length() - 1
+                    buckets = self._buckets
+                    bucket = buckets[k]
+                    pid, page = bucket.popitem()
+                    if not bucket:
+                        m ^= 1 << k
+                    b = page.pop()
+                    if k > 1:
+                        buckets[k - 1][pid] = page
+                        m |= 1 << (k - 1)
+                    index.mask = m
+                    index.nfree -= 1
                     self._states[b] = OUT
                     return [b]
             return self._alloc(need_size)
+        finally:
+            self._leave(True)
 
     def _alloc(self, need_size: int) -> Optional[List[int]]:
         n = int_arg("need_size", need_size, minimum=1)
@@ -256,6 +294,8 @@ class BlockManager:
             except OutOfMemoryError:
                 return None
         # Nothing below can fail: the ledger changes only now.
+        if from_reserved:
+            self._supply.recount()
         out = ledger.take_reserved(from_reserved)
         if rest:
             taken = index.take_run(rest, fresh)
@@ -276,18 +316,46 @@ class BlockManager:
         Every id must be currently allocated (by alloc) and appear once;
         otherwise InvalidArgumentError is raised and nothing changes.
         """
-        with self._lock:
+        try:
+            self._enter()
+        except IndexError:  # another thread holds the lock: wait for it
+            with self._lock:
+                return self._free(indices)
+        try:
             if indices.__class__ is list and len(indices) == 1:
                 b = indices[0]
                 states = self._states
-                if b.__class__ is int and 0 <= b < self.num_blocks and states[b] == OUT:
+                if b.__class__ is int and b >= 0 and b < self.num_blocks and states[b] == OUT:
+                    # Fast path (BlockIndex.put_one inlined: the call would cost a third of the pair).
                     states[b] = FREE
-                    page = self._put_one(b)
-                    if page is not None:
+                    page = self._held[self._page_of[b]]
+                    k = len(page)
+                    page.append(b)
+                    if page.open:
+                        index = self._index
+                        pid = page.pid
+                        buckets = self._buckets
+                        if k:
+                            bucket = buckets[k]
+                            del bucket[pid]
+                            if not bucket:
+                                index.mask ^= 1 << k
+                        k += 1
+                        buckets[k][pid] = page
+                        index.mask |= 1 << k
+                        index.nfree += 1
+                    else:
+                        k += 1
+                    if k == page.cap:
                         self._release.emptied_one(page)  # retired, parked or released
                     return
-            self._check_open()
-            self._return(self._ledger.validate_free(indices))
+            self._free(indices)
+        finally:
+            self._leave(True)
+
+    def _free(self, indices: Iterable[int]) -> None:
+        self._check_open()
+        self._return(self._ledger.validate_free(indices))
 
     def _return(self, ids: List[int]) -> None:
         """Puts ledger-freed ids back on their pages and settles emptied pages."""
@@ -320,6 +388,7 @@ class BlockManager:
                 return False
             ledger.mark(got, RESERVED)
             kept.extend(got)
+            self._supply.recount()
             return True
 
     def free_reserved(self) -> None:
@@ -328,17 +397,41 @@ class BlockManager:
             self._check_open()
             ids = self._ledger.release_reserved()
             if ids:
+                self._supply.recount()
                 self._return(ids)
 
     # -------------------------------------------------------------- capacity
 
     def available_size(self) -> int:
-        """Blocks that alloc would hand out right now (a snapshot, see the module doc)."""
+        """Blocks that alloc would hand out right now (a snapshot, see the module doc).
+
+        Called on every scheduling step, so it reads two counters, no lock:
+        ``nfree`` (free blocks on held pages, kept by alloc and free) and the
+        supply's ``rest`` (reserved blocks plus blocks on the pages that can be
+        mapped now), which every change of this process clears before it
+        releases the lock, and a timer clears one ``KVCACHED_CAPACITY_TTL_MS``
+        after it was counted (``page_supply``'s module doc says why that is as
+        fresh as reading the data plane on each call within the TTL). Read
+        while another thread allocates, the sum is that of an instant before
+        or after the allocation's counter update, or one page off in the
+        instant between (a snapshot either way: alloc returns None when short).
+        """
+        rest = self._supply.rest
+        if rest >= 0:
+            return self._index.nfree + rest
+        return self._count_available()
+
+    def _count_available(self) -> int:
+        """available_size counted under the lock (and the count kept, when it may be)."""
         with self._lock:
             if self._closed:
                 return 0
-            n = len(self._ledger.reserved) + self._index.nfree + self._mappable_blocks()
-            return n - 1 if self._null_pending and n else n
+            rest = len(self._ledger.reserved) + self._mappable_blocks()
+            n = rest + self._index.nfree
+            if self._null_pending:  # page 0 goes to the null block first: not kept
+                return n - 1 if n else n
+            self._supply.keep(rest)
+            return n
 
     def _mappable_blocks(self) -> int:
         """Blocks on the pages an allocation could map now (the caller holds the lock)."""
@@ -393,6 +486,7 @@ class BlockManager:
         with self._lock:
             self._check_open()
             ids = self._ledger.free_all_on(self._index)
+            self._supply.recount()
             if ids:
                 self._return(ids)
 
@@ -462,6 +556,7 @@ class BlockManager:
             if self._closed:
                 return
             self._closed = True
+            self._supply.close()
             pa = self.page_allocator
             try:
                 pa.stop_prealloc_thread()
@@ -480,6 +575,7 @@ class BlockManager:
                 limits.close()
         finally:
             self._release.stop()
+            self._supply.stop()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 
 class GraceTimer:
-    """A daemon thread calling ``tick()`` every ``period_s`` while pages are parked.
+    """A daemon thread calling ``tick()`` every ``period_s`` while pages are parked
+    (``PageSupply`` runs one too, to expire the manager's capacity count).
 
     Nothing on the alloc/free path reads a clock: the thread counts ticks, and
     a page parked at tick ``t`` is released at tick ``t + 2``. ``tick()`` itself
@@ -57,8 +58,9 @@ class GraceTimer:
         self.period_s = float(period_s)
         self.name = name
         self.idle = True  # the thread sleeps without a timeout (or is not started)
-        self._tick = weakref.WeakMethod(tick)
         self._event = threading.Event()
+        # Its owner gone, an idle thread wakes and ends (it would wait forever otherwise).
+        self._tick = weakref.WeakMethod(tick, lambda _ref, ev=self._event: ev.set())
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
 
@@ -69,6 +71,11 @@ class GraceTimer:
         if self._thread is None or not self._thread.is_alive():  # first park, or a forked child
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
+
+    def asleep(self) -> bool:
+        """Idle, or no thread (never started, or this is a forked child): ``wake()`` is due."""
+        t = self._thread
+        return self.idle or t is None or not t.is_alive()
 
     def stop(self) -> None:
         """Ends the thread and waits for it (call without the manager lock)."""
@@ -126,6 +133,7 @@ class PageRelease:
         self._defer = defer
         self._barrier = barrier
         self.limits: Any = None  # the manager's InstanceLimits, set once built
+        self.on_release: Optional[Callable[[], None]] = None  # called after pages are dropped
         self.closed = False
         self.version = 0  # bumped on every release (the manager's capacity cache watches it)
         # Deferred release: pages retired at epoch E wait for a marker >= E.
@@ -184,6 +192,8 @@ class PageRelease:
             self.parked.pop(page.pid, None)
         pids = self._index.drop(pages)
         self.version += 1
+        if self.on_release is not None:
+            self.on_release()  # the manager's capacity count (PageSupply.changed)
         if self._barrier is not None:
             self._barrier()  # e.g. queued kernels may still read these pages
         self._pa.free_pages(pids)

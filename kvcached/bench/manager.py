@@ -219,6 +219,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         "native": native_what,
         "repeats": args.repeats,
     }
+    if native:
+        # Issue 30 item 4: the hot calls within these factors of vLLM's own time.
+        goals = (("alloc(1)+free(1) held page", "pair", 1.2), ("alloc(16)+free(16)", "batch16", 1.2))
+        goals += (("available_size/get_num_free_blocks", "query", 2.0),)
+        ratios = [(what, native[key] / ours[key], goal) for what, key, goal in goals]
+        meta["time vs native (goal)"] = ", ".join(
+            f"{what} {r:.2f}x (<= {goal}x: {'met' if r <= goal else 'NOT met'})" for what, r, goal in ratios
+        )
     print_table(
         rows,
         ["operation", "unit", "kvcached /s", "kvcached µs", "native /s", "native µs", "time vs native"],

@@ -167,6 +167,10 @@ class InstanceLimits:
         # what is mapped, or a peer short of budget. The BlockManager sets it
         # to release its parked pages (which the allocator counts as in use).
         self.reclaim_unused: Optional[Callable[[], object]] = None
+        # Called under this object's lock (on whichever thread moved it) when the
+        # limit or the allocator's cap changes: the manager's kept capacity count is stale then.
+        # It must not take a lock (PageSupply.changed: two stores).
+        self.on_cap_change: Optional[Callable[[], None]] = None
         self._stopping = False
         self._watcher: Optional[threading.Thread] = None
         self._closed = False
@@ -303,6 +307,8 @@ class InstanceLimits:
         if not record_trusted(snap, self.name, self._limit, self._device_bytes, self._warned):
             return self._applied_revision if snap.busy else int(snap.revision)
         with self._lock:
+            if int(snap.limit) != self._limit and self.on_cap_change is not None:
+                self.on_cap_change()  # what the budget may grant moved, even where the cap did not
             self._limit = int(snap.limit)
             if self.budget is not None and self._grant > self._limit:
                 self._grant = max(self._limit, 0)  # budget above the limit is of no use: give it back
@@ -351,6 +357,8 @@ class InstanceLimits:
             self._tracker.set_granted(cap)
             self._published = cap
         self._pa.set_mem_limit(cap)
+        if cap != self._cap and self.on_cap_change is not None:
+            self.on_cap_change()
         self._cap = cap
         mapped = self._mapped_bytes()
         if mapped > cap:

@@ -386,3 +386,185 @@ def test_build_collaborators_keeps_the_old_defaults():
         build_collaborators(**{**kw, "own_segment": True, "device": None})
     with pytest.raises(InvalidArgumentError, match="both"):
         build_collaborators(**{**kw, "map_fn": f})
+
+
+# ------------------------------------------------- the hot calls' lock and count
+
+
+def test_token_lock_excludes_and_hands_over():
+    from kvcached.locks import TokenLock
+
+    lock = TokenLock()
+    lock.try_enter()
+    assert lock.locked()
+    with pytest.raises(IndexError):
+        lock.try_enter()
+    assert not lock.acquire(blocking=False)
+    got = []
+
+    def waiter():
+        with lock:
+            got.append(lock.locked())
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    t.join(0.05)
+    assert not got  # still waiting for the token
+    lock.leave(True)
+    t.join(10)
+    assert got == [True] and not lock.locked()
+    with pytest.raises(RuntimeError):
+        lock.release()
+    with lock:
+        with pytest.raises(IndexError):
+            lock.try_enter()
+    assert not lock.locked()
+
+
+def test_token_lock_never_lets_two_in():
+    from kvcached.locks import TokenLock
+
+    lock = TokenLock()
+    inside, overlaps = [0], []
+
+    def section():
+        inside[0] += 1
+        if inside[0] != 1:
+            overlaps.append(inside[0])
+        time.sleep(0)  # let another thread try now
+        inside[0] -= 1
+
+    def fast(n):
+        for _ in range(n):
+            try:
+                lock.try_enter()
+            except IndexError:
+                with lock:
+                    section()
+                continue
+            try:
+                section()
+            finally:
+                lock.leave(True)
+
+    def slow(n):
+        for _ in range(n):
+            with lock:
+                section()
+
+    threads = [threading.Thread(target=f, args=(300,)) for f in (fast, fast, slow, slow)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not overlaps and not lock.locked()
+
+
+def _fresh_count(m):
+    """available_size counted from the data plane now (what the kept count must equal)."""
+    with m._lock:
+        m._supply.changed()
+    return m.available_size()
+
+
+def test_available_size_kept_count_follows_every_change(make):
+    m = make(per_page=4, pages=8, max_reserved=2, reserve_null_block=True, empty_page_grace_s=LONG)
+    steps = [
+        lambda: m.alloc(1),
+        lambda: m.alloc(6),  # fresh pages
+        lambda: m.free(held.pop()),
+        lambda: m.try_to_reserve(5),
+        lambda: m.alloc(2),  # from the reserved ones
+        lambda: m.free_reserved(),
+        lambda: m.free(held.pop()),  # a page empties: parked
+        lambda: m.release_parked(),
+        lambda: m.trim(),
+        lambda: m.alloc(9),
+        lambda: m.clear(),
+        lambda: m.capacity_changed(),
+    ]
+    held = []
+    for i, step in enumerate(steps):
+        m.available_size()  # a count is kept (unless the TTL just ran out)
+        out = step()
+        if isinstance(out, list):
+            held.append(out)
+        assert m.available_size() == _fresh_count(m), f"step {i}"
+        check_invariants(m)
+    m.shutdown()
+    assert m.available_size() == 0 and m._supply.rest == -1
+
+
+def test_available_size_kept_count_expires_and_the_timer_sleeps(make):
+    m = make(per_page=4, pages=8, max_reserved=0)
+    n = m.available_size()
+    assert wait_for(lambda: m.available_size() == n and m._supply.rest >= 0, 5.0)  # kept
+    assert wait_for(lambda: m._supply.rest == -1, 5.0)  # one TTL later it is counted again
+    assert wait_for(lambda: m._supply._expiry.idle, 5.0)  # nobody asks: the timer sleeps
+    # A cap set outside the manager (like the limits watcher thread does) is seen after the TTL.
+    m.available_size()
+    m.page_allocator.set_mem_limit(m.bytes_per_page)
+    assert wait_for(lambda: m.available_size() == 4, 5.0), (n, m.available_size())
+
+
+def test_available_size_ttl_zero_keeps_no_count(make, monkeypatch):
+    monkeypatch.setenv("KVCACHED_CAPACITY_TTL_MS", "0")
+    m = make(per_page=4, pages=8, max_reserved=0)
+    assert m.available_size() == 32 and m._supply.rest == -1
+    m.page_allocator.set_mem_limit(m.bytes_per_page)
+    assert m.available_size() == 4
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_available_size_kept_count_expires_in_a_forked_child(make):
+    m = make(per_page=4, pages=8, max_reserved=0)
+    assert wait_for(lambda: m.available_size() >= 0 and m._supply.rest >= 0, 5.0)
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's timer thread does not run here
+        ok = False
+        try:
+            m.available_size()
+            ok = wait_for(lambda: m._supply.rest == -1, 5.0)
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_an_idle_timer_thread_ends_once_its_owner_is_gone():
+    import gc
+
+    from kvcached.page_release import GraceTimer
+
+    class Owner:
+        def tick(self):
+            t.idle = True  # nothing to do: the thread goes to sleep without a timeout
+            return True
+
+    owner = Owner()
+    t = GraceTimer(owner.tick, 0.01, "kvcached-test-timer")
+    t.wake()
+    assert wait_for(lambda: t.idle, 5.0)
+    thread = t._thread
+    del owner
+    gc.collect()
+    thread.join(5.0)
+    assert not thread.is_alive()
+
+
+def test_a_record_limit_is_seen_by_the_kept_count_once_applied_not_a_ttl_later(make, monkeypatch):
+    """kvctl limit (raised or lowered) is applied on the limits' watcher thread: the
+    kept count is cleared there, so the first available_size after the ack is fresh
+    even with a TTL far longer than the test."""
+    from kvcached import control
+
+    monkeypatch.setenv("KVCACHED_CAPACITY_TTL_MS", "600000")
+    name = f"kvcached_test_kept_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    m = make(per_page=4, pages=8, max_reserved=0, own_segment=True, pool_name=name, engine="test")
+    for pages in (2, 6, 1):
+        m.available_size()
+        assert m._supply.rest >= 0  # kept
+        res = control.set_instance_memory_limit(pages * m.bytes_per_page, name=name, wait_s=2.0)
+        assert res.status == "applied", res
+        assert m.available_size() == pages * 4, (pages, m.available_size())
+    check_invariants(m)
