@@ -36,6 +36,10 @@ TTL'd reading it replaces:
 * a forked child drops the count it inherited (``os.register_at_fork``) and
   ``keep()`` starts its own timer thread there.
 
+While the instance wants memory (its load lacks what the device budget could
+not give), no count is kept and no reading reused: a peer's give-back is admitted
+by the next step, not a TTL later.
+
 ``KVCACHED_CAPACITY_TTL_MS=0`` keeps no count: every call counts anew.
 
 The manager's emptied pages go the other way (``page_release.py``). Every
@@ -174,8 +178,8 @@ class PageSupply:
     def keep(self, rest: int) -> None:
         """The manager's count, for its lock-free ``available_size`` until a change or the TTL clears it."""
         timer = self._expiry
-        if timer is None or self.closed:
-            return
+        if timer is None or self.closed or self._wanting():
+            return  # wanting: each step counts anew, so a peer's give-back is admitted at once
         self.rest = rest
         self._kept = True
         if timer.asleep():  # also in a forked child, where the parent's timer thread does not run
@@ -208,7 +212,7 @@ class PageSupply:
     def mappable_pages(self, version: int) -> int:
         """Pages an allocation could get from the data plane now: reserve, target, limit, device."""
         now = time.monotonic()
-        if now - self._stamp <= self._ttl and self._version == version:
+        if now - self._stamp <= self._ttl and self._version == version and not self._wanting():
             return self._pages
         self._version = version
         pa = self.allocator
@@ -220,6 +224,9 @@ class PageSupply:
                 pages = reserved + min(fresh, self.device_free_pages())
         self._stamp, self._pages = now, pages
         return pages
+
+    def _wanting(self) -> bool:
+        return self.limits is not None and self.limits.wanting
 
     def device_free_pages(self) -> int:
         """Pages the device's free memory could hold now (this process maps)."""

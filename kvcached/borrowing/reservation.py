@@ -52,6 +52,7 @@ import atexit
 import contextlib
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -171,18 +172,9 @@ class Reservation:
         self._atexit = lambda: (r := ref()) is not None and r.release()  # noqa: E731
         atexit.register(self._atexit)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held for this process now."""
-        return self._granted
-
-    @property
-    def requested(self) -> int:
-        return self._requested
-
-    @property
-    def released(self) -> bool:
-        return self._released
+    nbytes = property(operator.attrgetter("_granted"), doc="Bytes held for this process now.")
+    requested = property(operator.attrgetter("_requested"))
+    released = property(operator.attrgetter("_released"))
 
     @property
     def lowered(self) -> List[str]:

@@ -72,6 +72,20 @@ class ElasticPool:
         budget = None if self.limits is None else self.limits.budget
         return [] if budget is None else [r.name for r in budget.wanting(exclude=self.limits.name)]
 
+    def tokens_per_page(self) -> int:
+        """Tokens (of every layer) one page of this pool holds (1 when unknown)."""
+        cell = int(getattr(self.manager, "cell_size", 0) or 0)
+        return max(1, int(self.manager.page_size) // cell) if cell > 0 else 1
+
+    def pages_wanted_by_peers(self) -> int:
+        """This pool's pages that would cover what the other live instances of the device
+        budget lack now (their wants, in bytes: page sizes differ between models)."""
+        budget = None if self.limits is None else self.limits.budget
+        if budget is None:
+            return 0
+        wanted = sum(r.wanted for r in budget.wanting(exclude=self.limits.name))
+        return -(-wanted // self.bytes_per_page)
+
     def note_shortage(self, need_tokens: int = 0) -> None:
         """A request needing ``need_tokens`` more tokens (0: one page) was not placed.
         The need must be the request's, not one page: an engine stops admitting a
@@ -79,9 +93,7 @@ class ElasticPool:
         a want of one page would then never be published."""
         if self.limits is None:
             return
-        cell = int(getattr(self.manager, "cell_size", 0) or 0)
-        tokens_per_page = max(1, int(self.manager.page_size) // cell) if cell > 0 else 1
-        pages = -(-max(0, int(need_tokens)) // tokens_per_page)
+        pages = -(-max(0, int(need_tokens)) // self.tokens_per_page())
         # +1: the engine places blocks, not tokens; its first block may need a fresh page
         # while the tokens alone would fit the room left (a want of 0 would never be published).
         self.limits.note_shortage((pages + 1) * self.bytes_per_page if pages else 0)

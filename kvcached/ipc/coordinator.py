@@ -316,8 +316,7 @@ class TPCoordinator:
             return
         t0 = trace.start()
         with self._transaction() as tx:
-            results = self._fan_out(self._peers, Cmd.MAP, protocol.offsets_body(self.group_id, tx, offsets))
-            bad = [(p, r) for p, r in zip(self._peers, results) if r.status != _OK]
+            results, bad = self._offsets_to_all(Cmd.MAP, tx, offsets)
             if not bad:
                 self._note_already_mapped(results)
                 trace.end("rank_map", t0, self.ipc_name, pages=len(offsets), ranks=len(self._peers))
@@ -341,8 +340,7 @@ class TPCoordinator:
         t0 = trace.start()
         with self._transaction() as tx:
             txb = protocol.group_tx_body(self.group_id, tx)
-            results = self._fan_out(self._peers, Cmd.PREPARE, protocol.offsets_body(self.group_id, tx, offsets))
-            bad = [(p, r) for p, r in zip(self._peers, results) if r.status != _OK]
+            results, bad = self._offsets_to_all(Cmd.PREPARE, tx, offsets)
             if not bad:
                 unconfirmed = self._settle(self._peers, Cmd.COMMIT, txb)
                 trace.end("rank_unmap", t0, self.ipc_name, pages=len(offsets), ranks=len(self._peers))
@@ -362,6 +360,14 @@ class TPCoordinator:
             self._raise_undone(
                 what, bad, unconfirmed, offsets, "ABORT", "aborted on every rank, every offset is still mapped"
             )
+
+    def _offsets_to_all(
+        self, cmd: int, tx: int, offsets: List[int]
+    ) -> Tuple[List[_Result], List[Tuple[Peer, _Result]]]:
+        """``cmd`` of transaction ``tx`` for ``offsets`` sent to every rank: each rank's
+        answer, and the (rank, answer) pairs that are not OK."""
+        results = self._fan_out(self._peers, cmd, protocol.offsets_body(self.group_id, tx, offsets))
+        return results, [(p, r) for p, r in zip(self._peers, results) if r.status != _OK]
 
     def _raise_undone(
         self,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import threading
 import time
@@ -54,7 +55,8 @@ FROM_ENV = "env"
 _IDLE_WAKE_MS = 10_000
 
 # How long a sum of what the other instances hold may be reused by
-# num_free_pages(): it is called on every scheduling step and reads every record.
+# num_free_pages(): it is called on every scheduling step and reads every record
+# (not reused while this instance wants memory: the sum falls when a peer gives back).
 _PEER_SUM_TTL_S = 0.05
 
 # At most one log line per this many seconds for the give-backs peers ask for.
@@ -181,29 +183,19 @@ class InstanceLimits:
         self._atexit = lambda: ref() and ref().close()  # noqa: E731
         atexit.register(self._atexit)
 
-    # ---- properties --------------------------------------------------------
-    @property
-    def tracker(self) -> _C.MemInfoTracker:
-        return self._tracker
-
-    @property
-    def limit(self) -> int:
-        """The operator's limit as last applied (bytes)."""
-        return self._limit
-
-    @property
-    def cap(self) -> int:
-        """What the PageAllocator may map now: ``min(limit, grant)`` (-1 before attach)."""
-        return self._cap
-
-    @property
-    def asleep(self) -> bool:
-        """The engine sleeps (``set_asleep``): the cap is 0 whatever the limit."""
-        return self._asleep
-
-    @property
-    def applied_revision(self) -> int:
-        return self._applied_revision
+    # ---- properties (read-only views of the state the methods below keep) ----
+    tracker = property(operator.attrgetter("_tracker"))
+    limit = property(operator.attrgetter("_limit"), doc="The operator's limit as last applied (bytes).")
+    cap = property(
+        operator.attrgetter("_cap"), doc="What the allocator may map now: min(limit, grant); -1 before attach."
+    )
+    # A want is published: the load lacks memory the budget could not give. Capacity
+    # counts are not reused meanwhile (a peer's give-back is seen by the next step).
+    wanting = property(operator.attrgetter("_wanting"), doc="A want is published (the budget is short for the load).")
+    asleep = property(
+        operator.attrgetter("_asleep"), doc="The engine sleeps (set_asleep): the cap is 0 whatever the limit."
+    )
+    applied_revision = property(operator.attrgetter("_applied_revision"))
 
     def record(self) -> RecordView:
         return RecordView.from_snapshot(self._tracker.snapshot())
@@ -502,7 +494,7 @@ class InstanceLimits:
             return free_now
         now = time.monotonic()
         t, others = self._peer_sum
-        if now - t > _PEER_SUM_TTL_S:
+        if self._wanting or now - t > _PEER_SUM_TTL_S:  # wanting: a peer's give-back counts at once
             others = self.budget.held_bytes(exclude=self.name)
             self._peer_sum = (now, others)
         reachable_pages = min(self._limit, self.budget.budget_bytes - others) // self._bpp

@@ -8,6 +8,7 @@ A record's fields are read atomically one by one; limit and revision together
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -202,18 +203,9 @@ class RecordView:
         return "pending" if self.pending else "alive"
 
     # Upstream (MemInfoStruct) names, for code written against it.
-    @property
-    def total_size(self) -> int:
-        """Upstream name of the limit."""
-        return self.limit
-
-    @property
-    def used_size(self) -> int:
-        return self.used
-
-    @property
-    def prealloc_size(self) -> int:
-        return self.prealloc
+    total_size = property(operator.attrgetter("limit"), doc="Upstream name of the limit.")
+    used_size = property(operator.attrgetter("used"), doc="Upstream name of ``used``.")
+    prealloc_size = property(operator.attrgetter("prealloc"), doc="Upstream name of ``prealloc``.")
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -275,6 +267,41 @@ def read_record(name: str) -> RecordView:
     return RecordView.from_snapshot(_C.MemInfoTracker.open(name).snapshot())
 
 
+# The names found by the last scan of /dev/shm: (the folder's mtime before it, when it
+# started, names). See record_names.
+_scan: Tuple[int, int, List[str]] = (0, 0, [])
+_SETTLED_NS = 1_000_000_000  # a scan trusted again only if the folder had not changed for 1 s before it
+_RESCAN_NS = 2_000_000_000  # and at least every 2 s anyway (a wall clock stepped back, a forgotten case)
+
+
+def record_names() -> List[str]:
+    """The names of the records in /dev/shm (``_C.list_mem_info_records``), scanned
+    again only when the folder changed.
+
+    The scan opens every file there (a busy host has thousands: ~4 ms); the budget
+    asks on every grant. A record is made (and removed) by creating (removing) its
+    file, which moves the folder's mtime. The last scan's names are reused while the
+    mtime is the one read before that scan, if the folder had not changed for
+    ``_SETTLED_NS`` before the scan started: a file created after the scan began then
+    moves the mtime past it (the coarse clock the kernel stamps with is far finer than
+    1 s), and a record half made at the scan (file created, magic not yet written) is
+    not one within that second. Names only: each record is still read, and checked, as
+    it is used.
+    """
+    global _scan
+    mtime, started, names = _scan
+    try:
+        now_mtime = os.stat(SHM_DIR).st_mtime_ns
+    except OSError:
+        now_mtime = -1
+    now = time.time_ns()
+    if now_mtime == mtime > 0 and started - mtime > _SETTLED_NS and 0 <= now - started < _RESCAN_NS:
+        return names
+    names = _C.list_mem_info_records()
+    _scan = (now_mtime, now, names)
+    return names
+
+
 def list_records() -> List[RecordView]:
     """Every record this user can read, sorted by device then name.
 
@@ -282,7 +309,7 @@ def list_records() -> List[RecordView]:
     that cannot be opened as a record is listed as invalid, with the reason.
     """
     out: List[RecordView] = []
-    for name in _C.list_mem_info_records():
+    for name in record_names():
         try:
             out.append(read_record(name))
         except _C.KvcachedError as e:

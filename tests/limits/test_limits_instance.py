@@ -203,6 +203,39 @@ def test_asleep_caps_at_zero_and_a_limit_written_meanwhile_applies_at_the_wake(h
         lim.close()
 
 
+def test_a_wanting_instance_counts_a_peers_give_back_at_once(host, prefix):
+    """Outside a want, what peers hold is reused for 50 ms (num_free_pages runs every
+    step); while a want is published it is read on every call, so the step after a
+    peer's give-back admits the load (trace: it came up to 46 ms late)."""
+    budget = DeviceBudget("cpu", 10 * BPP, scope=prefix)
+    pa_a, pa_b = host(0), host(1)
+    a = InstanceLimits.for_page_allocator(
+        pa_a, engine="t", device="cpu", name=prefix + "a", budget=budget, quantum_bytes=BPP
+    )
+    b = InstanceLimits.for_page_allocator(
+        pa_b, engine="t", device="cpu", name=prefix + "b", budget=budget, quantum_bytes=BPP
+    )
+    try:
+        a.admit_pages(9)
+        ids = pa_a.alloc_pages(9)  # a maps 9 of 10: one page of room
+        time.sleep(0.06)
+        assert b.num_free_pages() == 1 and not b.wanting
+        assert b.note_shortage(3 * BPP) and b.wanting  # the want is published
+        a.set_asleep(True)  # stands for a's idle give-back (its pages unmapped, its grant released)
+        pa_a.free_pages(ids)
+        a.on_free()
+        t0 = time.monotonic()
+        while budget.held_bytes(exclude=b.name) > 0:
+            assert time.monotonic() - t0 < 2, "a did not give its budget back"
+            time.sleep(0.001)
+        assert b.num_free_pages() >= 3  # no sum of before the give-back
+        b.admit_pages(3)
+        assert not b.wanting  # the budget covers the load again
+    finally:
+        a.close()
+        b.close()
+
+
 def test_dead_instances_hold_nothing(host, prefix):
     budget = DeviceBudget("cpu", 4 * BPP, scope=prefix)
     # A live record counts what it holds; the same record of a dead owner counts nothing.

@@ -285,6 +285,44 @@ def test_listing_skips_names_kvcached_never_makes(prefix):
         del t
 
 
+def test_a_record_made_or_removed_is_listed_at_once_though_listings_are_reused(prefix, tmp_path, monkeypatch):
+    """record_names scans /dev/shm again only when the folder changed (the budget asks on
+    every grant; a scan opens every file there): a record made or removed moves the
+    folder's mtime, so it is seen by the next listing."""
+    from kvcached.limits import records
+
+    assert prefix + "new" not in records.record_names()
+    t = _C.MemInfoTracker.create(prefix + "new", "t", 0, 0, BPP, BPP)
+    assert prefix + "new" in records.record_names()
+    t.unlink()
+    del t
+    assert prefix + "new" not in records.record_names()
+
+    # The reuse itself, on a folder whose mtime the test sets.
+    scans = []
+    real = _C.list_mem_info_records
+    monkeypatch.setattr(records, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(records._C, "list_mem_info_records", lambda: scans.append(1) or real())
+    monkeypatch.setattr(records, "_scan", (0, 0, []))
+    os.utime(tmp_path, ns=(time.time_ns() - 5_000_000_000,) * 2)  # settled 5 s ago
+    records.record_names()
+    records.record_names()
+    assert len(scans) == 1  # reused
+    (tmp_path / "x").write_text("")  # a file made: the mtime moves
+    records.record_names()
+    assert len(scans) == 2
+    records.record_names()
+    assert len(scans) == 3  # changed under a second ago: not trusted yet
+    os.utime(tmp_path, ns=(time.time_ns() - 5_000_000_000,) * 2)
+    records.record_names()
+    records.record_names()
+    assert len(scans) == 4  # settled again: reused
+    mtime, started, names = records._scan
+    monkeypatch.setattr(records, "_scan", (mtime, started - 3_000_000_000, names))
+    records.record_names()
+    assert len(scans) == 5  # a listing older than the rescan bound is not reused
+
+
 def test_a_fifo_or_link_under_a_record_name_blocks_nothing(prefix):
     os.mkfifo(shm_path(prefix + "fifo"))
     os.symlink("/etc/passwd", shm_path(prefix + "link"))

@@ -568,3 +568,20 @@ def test_a_record_limit_is_seen_by_the_kept_count_once_applied_not_a_ttl_later(m
         assert res.status == "applied", res
         assert m.available_size() == pages * 4, (pages, m.available_size())
     check_invariants(m)
+
+
+def test_a_wanting_manager_keeps_no_count(make):
+    """While its load wants memory the budget could not give, every available_size
+    counts anew: a peer's give-back is seen by the next scheduling step."""
+    name = f"kvcached_test_want_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    m = make(per_page=4, pages=8, max_reserved=0, own_segment=True, pool_name=name, engine="test")
+    m.available_size()
+    assert m._supply.rest >= 0
+    m.limits._set_want(m.bytes_per_page)  # as note_shortage does when the budget is short
+    m.capacity_changed()
+    for _ in range(3):
+        m.available_size()
+        assert m._supply.rest == -1
+    m.limits._set_want(0)
+    m.available_size()
+    assert m._supply.rest >= 0

@@ -37,7 +37,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
-from kvcached.integration.patch_base import BasePatch, call_after, wrap_method
+from kvcached.integration.patch_base import BasePatch, call_after, call_before, wrap_method
 from kvcached.integration.seam_table import Needs
 from kvcached.integration.sglang import profile
 
@@ -299,6 +299,7 @@ def _scheduler(mod: ModuleType) -> None:
 
     cls = mod.Scheduler
     call_after(cls, "__init__", lambda self, _out, *a, **k: sh.after_init(self))
+    call_before(cls, "run_batch", lambda self, *a, **k: sh.before_launch())
     call_after(cls, "run_batch", lambda self, result, *a, **k: sh.after_launch(result))
     call_after(cls, "process_batch_result", lambda self, _out, batch, result, *a, **k: sh.after_result(self, result))
     call_after(cls, "on_idle", lambda self, _out, *a, **k: sh.on_idle(self))

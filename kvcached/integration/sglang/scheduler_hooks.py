@@ -56,7 +56,7 @@ import time
 from typing import Any, Dict, Optional
 
 from kvcached import trace
-from kvcached.elastic import IdleAction, StallBackoff, cache_excess_tokens
+from kvcached.elastic import GIVE_CHUNK_PAGES, IdleAction, StallBackoff, cache_excess_tokens, give_chunks
 from kvcached.elastic.cache_bound import max_cached_tokens
 from kvcached.integration.patch_base import summary_of
 from kvcached.integration.sglang.admission import tokens_wanted
@@ -97,13 +97,18 @@ def after_init(scheduler: Any) -> None:
             a.kvcached_tree_cache = tree
 
 
+def before_launch() -> None:
+    """A batch, its memory allocated, is about to run (traced only: the first one after
+    a miss is when the stalled load is admitted; after the launch would add its forward)."""
+    if trace.ON and elastic_groups():
+        instance().traced_allocation(1)
+
+
 def after_launch(result: Any) -> None:
     """Right after a batch is launched: its step number goes on ``result``."""
     if result is None or not elastic_groups():
         return
     setattr(result, _STEP, instance().fence.launched())
-    if trace.ON:  # the first batch launched after a miss: the stalled load is admitted
-        instance().traced_allocation(1)
 
 
 def after_result(scheduler: Any, result: Any) -> None:
@@ -190,13 +195,19 @@ def give_back_to_peers(tree_cache: Any) -> int:
         return 0
     t0 = trace.start()
     trace.event("give_back_start", inst.name)
-    n = 0
-    if prefix_sharing(tree_cache) and evictable_tokens(tree_cache) > 0:
-        t1 = trace.start()
-        n = evict_tokens(tree_cache, evictable_tokens(tree_cache))
-        trace.end("evicted", t1, inst.name, tokens=n)
-        _stats["peer_evicted_tokens"] += n
     before = sum(p.mapped_pages() for p in inst.pools)
+    n = 0
+    if prefix_sharing(tree_cache):
+        # In chunks, each one's pages released before the next is evicted (see give_chunks).
+        first = max((p.pages_wanted_by_peers() * p.tokens_per_page() for p in inst.pools), default=0)
+        least = GIVE_CHUNK_PAGES * max((p.tokens_per_page() for p in inst.pools), default=1)
+        for size in give_chunks(first, least):
+            got = _evict_for_peers(tree_cache, size, inst.name) if evictable_tokens(tree_cache) > 0 else 0
+            if got <= 0:
+                break
+            n += got
+            release_all()
+            inst.give_back()  # its pages count below, with every other one unmapped since `before`
     release_all()
     given = before - sum(p.mapped_pages() for p in inst.pools) + inst.give_back()
     trace.end("give_back_end", t0, inst.name, pages=given)
@@ -208,6 +219,14 @@ def give_back_to_peers(tree_cache: Any) -> int:
             before,
             n,
         )
+    return n
+
+
+def _evict_for_peers(tree_cache: Any, tokens: int, name: str) -> int:
+    t0 = trace.start()
+    n = evict_tokens(tree_cache, tokens)
+    trace.end("evicted", t0, name, tokens=n)
+    _stats["peer_evicted_tokens"] += n
     return n
 
 

@@ -52,7 +52,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached import trace
-from kvcached.elastic import IdleAction, cache_excess_tokens
+from kvcached.elastic import GIVE_CHUNK_PAGES, IdleAction, cache_excess_tokens, give_chunks
 from kvcached.elastic.cache_bound import max_cached_tokens
 from kvcached.integration.vllm.backend import VllmBackend, take_pool_context
 
@@ -357,29 +357,43 @@ class ElasticBlockPool(BlockPool):
             return 0
         if not whole_pages_first:
             victims = q.popleft_n(min(n, q.num_free_blocks))
-        else:
-            lru = q.get_all_free_blocks()  # oldest first
-            page_of = self.manager.geometry.page_of
-            by_page: Dict[int, List[KVCacheBlock]] = {}
+            self._evict(victims, queued=False)
+            return len(victims)
+        lru = q.get_all_free_blocks()  # oldest first
+        victims = []
+        for blocks in self._whole_pages(lru, partial=n < q.num_free_blocks):
+            if len(victims) >= n:
+                break
+            victims.extend(blocks)
+        if len(victims) < n and not only_whole_pages:
+            chosen = {b.block_id for b in victims}
             for b in lru:
-                by_page.setdefault(page_of(b.block_id), []).append(b)
-            occupancy = self.manager.get_page_occupancy(list(by_page))
-            # Pages whose every live block is evictable; first seen = holds the oldest block.
-            whole = [pid for pid, blocks in by_page.items() if len(blocks) == occupancy[pid]]
-            if self.host_tier is not None and n < q.num_free_blocks:  # part of the cache goes:
-                whole = self.host_tier.order_pages({pid: by_page[pid] for pid in whole})  # the tier's first
-            victims = []
-            for pid in whole:
                 if len(victims) >= n:
                     break
-                victims.extend(by_page[pid])
-            if len(victims) < n and not only_whole_pages:
-                chosen = {b.block_id for b in victims}
-                for b in lru:
-                    if len(victims) >= n:
-                        break
-                    if b.block_id not in chosen:
-                        victims.append(b)
+                if b.block_id not in chosen:
+                    victims.append(b)
+        self._evict(victims)
+        return len(victims)
+
+    def _whole_pages(self, lru: List[KVCacheBlock], partial: bool) -> List[List[KVCacheBlock]]:
+        """The cached blocks of each page whose every live block is evictable (so the page
+        empties), the page holding the oldest block first; with ``partial`` (part of the
+        cache goes) and a host tier, the pages it already holds first."""
+        page_of = self.manager.geometry.page_of
+        by_page: Dict[int, List[KVCacheBlock]] = {}
+        for b in lru:
+            by_page.setdefault(page_of(b.block_id), []).append(b)
+        occupancy = self.manager.get_page_occupancy(list(by_page))
+        whole = [pid for pid, blocks in by_page.items() if len(blocks) == occupancy[pid]]
+        if self.host_tier is not None and partial:
+            whole = self.host_tier.order_pages({pid: by_page[pid] for pid in whole})
+        return [by_page[pid] for pid in whole]
+
+    def _evict(self, victims: List[KVCacheBlock], queued: bool = True) -> None:
+        """Drops ``victims`` (still on the evictable queue when ``queued``) from the prefix
+        cache and returns them to the ledger: emptied pages go back."""
+        if queued:
+            q = self.free_block_queue
             for b in victims:
                 q.remove(b)
             if self.host_tier is not None:  # before their hashes go: what the host tier keeps of them
@@ -387,7 +401,22 @@ class ElasticBlockPool(BlockPool):
         for b in victims:
             self._maybe_evict_cached_block(b)
         self._give_back([b.block_id for b in victims])
-        return len(victims)
+
+    def _give_cache_to_peers(self) -> None:
+        """Evicts every cached whole page for peers that want memory, in chunks
+        (``give_chunks``: the pages they lack first), each chunk unmapped and its budget
+        released before the next is evicted. The same memory goes as in one pass."""
+        pages = self._whole_pages(self.free_block_queue.get_all_free_blocks(), partial=True)
+        done = 0
+        for size in give_chunks(self.backend.pool.pages_wanted_by_peers(), GIVE_CHUNK_PAGES):
+            if done >= len(pages):
+                break
+            t0 = trace.start()
+            victims = [b for blocks in pages[done : done + size] for b in blocks]
+            self._evict(victims)
+            trace.end("evicted", t0, self.backend.name, blocks=len(victims))
+            self.backend.instance.give_back()  # unmaps what emptied, releases its budget
+            done += size
 
     def idle_return_memory(self, act: IdleAction) -> None:
         """On the EngineCore thread while the engine is idle: evicts cached
@@ -400,9 +429,7 @@ class ElasticBlockPool(BlockPool):
             self._next_return_scan = 0.0
             self._maybe_return_memory()
         if act & IdleAction.GIVE_TO_PEERS:
-            t1 = trace.start()
-            n = self.evict_cached(self.free_block_queue.num_free_blocks, whole_pages_first=True, only_whole_pages=True)
-            trace.end("evicted", t1, name, blocks=n)
+            self._give_cache_to_peers()
         self.backend.instance.give_back()
         given = before - self.backend.pool.mapped_pages()
         trace.end("give_back_end", t0, name, pages=given)

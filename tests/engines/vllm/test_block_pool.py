@@ -266,3 +266,56 @@ def test_blocks_of_another_pool_are_forwarded_by_reference_or_weakref(pool, monk
         gc.collect()
         pool.free_blocks(theirs)
         assert len(seen) == 2
+
+
+_WANTING_PEER = """
+import sys, time
+from kvcached import _C
+t = _C.MemInfoTracker.create(sys.argv[1], "t", 0, 0, 1 << 20, 1 << 20)
+t.set_wanted(int(sys.argv[2]))
+print("ok", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_idle_pool_gives_a_peer_the_pages_it_wants_first_then_the_rest(pool, monkeypatch, tmp_path):
+    """A peer lacking one page: the idle pool evicts, unmaps and releases one page's
+    budget before it evicts the rest of its cache (which it still gives: the same
+    memory as before, the wanting peer's part sooner)."""
+    import subprocess
+    import sys
+
+    from kvcached import trace
+    from kvcached.elastic import IdleAction
+
+    monkeypatch.setattr(pool, "_max_cached", None)  # the fixture's bound off: an unbounded cache
+    got = pool.get_new_blocks(32)  # 4 whole pages
+    for i, blk in enumerate(got):
+        _hash(pool, blk, b"w%d" % i)
+    pool.free_blocks(got)
+    assert pool.free_block_queue.num_free_blocks == 32 and len(_mapped(pool)) == 5
+    bpp = pool.backend.pool.bytes_per_page
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _WANTING_PEER, f"kvt_wanting_{os.getpid()}", str(bpp)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert peer.stdout.readline().strip() == "ok"
+        assert pool.backend.pool.pages_wanted_by_peers() == 1
+        trace.configure(str(tmp_path / "trace"))
+        try:
+            pool.idle_return_memory(IdleAction.GIVE_TO_PEERS)
+        finally:
+            trace.configure(None)
+    finally:
+        peer.stdin.close()
+        peer.wait(30)
+    events = [(e["event"], e.get("blocks", e.get("pages"))) for e in trace.read(str(tmp_path / "trace"))]
+    evicted = [(i, n) for i, (ev, n) in enumerate(events) if ev == "evicted"]
+    assert [n for _, n in evicted] == [8, 24], events  # the wanted page first, then the rest
+    released = next(i for i, (ev, _) in enumerate(events) if ev == "grant_released")
+    assert evicted[0][0] < released < evicted[1][0], events  # its budget went before the rest was evicted
+    assert pool.free_block_queue.num_free_blocks == 0 and _mapped(pool) == [0]  # all given, as before
