@@ -87,6 +87,8 @@
 #   STEP@SET runs STEP with engine set SET's site directory (PYTHONPATH=/tmp/sc-SET, e.g.
 #   correctness@vllm029: vLLM 0.29); STEP.N is STEP again under its own name (tables, work folder),
 #   so one step can be repeated in one session (hybrid-ro hybrid-ro.2; both: gemma4.2@vllm029).
+#   STEP-trace runs STEP with KVCACHED_TRACE=$OUT/trace-STEP, then prints its burst timelines
+#   (python -m kvcached.bench burst) to $OUT/STEP-burst.txt (three-trace, mixed-trace: issue 30).
 #   KVCACHED_VLLM_PYTHONPATH
 #   names the vLLM set of every vLLM step (default: the PYTHONPATH this script was given).
 # Logs and JSON go to a work folder (KVCACHED_PROOF_WORK, default /tmp/kvcached-proof); each
@@ -129,6 +131,11 @@ for step in "${steps[@]}"; do
   t0=$(date +%s)
   base=${step%@*} && base=${base%.[0-9]*} && given_path=${PYTHONPATH-}
   [ "${step#*@}" != "$step" ] && export PYTHONPATH=/tmp/sc-${step#*@}
+  traced=
+  if [ "${base%-trace}" != "$base" ]; then
+    base=${base%-trace} traced=$OUT/trace-$step
+    export KVCACHED_TRACE=$traced
+  fi
   case "$base" in
     suite) OUT="$OUT/suite" bash scripts/gpu_suite.sh --ignore=tests/engines > "$OUT/suite.log" 2>&1 || rc=1
       { grep -E "passed|failed" "$OUT/suite/pytest.log" | tail -3; tail -n 4 "$OUT"/suite/bench_*.txt; } > "$OUT/suite.txt" ;;
@@ -265,6 +272,11 @@ for step in "${steps[@]}"; do
        exit 2 ;;
   esac
   export PYTHONPATH=$given_path
+  if [ -n "$traced" ]; then
+    unset KVCACHED_TRACE
+    python3 -m kvcached.bench burst --trace "$traced" > "$OUT/$step-burst.txt" 2>&1 || rc=1
+    tar czf "$OUT/trace-$step.tgz" -C "$OUT" "trace-$step" && rm -rf "$traced"
+  fi
   echo "== $step: $(( $(date +%s) - t0 )) s, rc so far $rc" | tee -a "$OUT/steps.txt"
   [ -d "$WORK/$step" ] && tar czf "$OUT/$step.tgz" -C "$WORK" --exclude='prompts.json' "$step"
 done

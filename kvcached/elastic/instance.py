@@ -80,8 +80,9 @@ class ElasticInstance:
         self.pools: List[ElasticPool] = []
         self.fence = ReleaseFence(lambda: self.pools, grace_s=grace_s)
         self.peer_check_s = float(peer_check_s)
-        # Set by a peer publishing a want (the limits' futex watcher) and by close().
+        # Set by wake_idle_loop() (a peer published a want, a limit was applied) and by close().
         self.poke = threading.Event()
+        self._wakers: List[Callable[[], None]] = []  # engine loops asleep in a poll (add_waker)
         self.closed = False
         self.asleep = False  # between sleep() and wake()
         self._missed_in_step = False
@@ -94,8 +95,21 @@ class ElasticInstance:
     def add_pool(self, pool: ElasticPool) -> ElasticPool:
         self.pools.append(pool)
         if pool.limits is not None:
-            pool.limits.on_peer_short = self.poke.set
+            pool.limits.on_peer_short = self.wake_idle_loop
+            pool.limits.on_limit_applied = self.wake_idle_loop
         return pool
+
+    def add_waker(self, wake: Callable[[], None]) -> None:
+        """``wake()`` ends the poll an idle engine loop sleeps in (SGLang's ``--sleep-on-idle``),
+        so its idle hooks run at once; called from any thread, it must not block."""
+        self._wakers.append(wake)
+
+    def wake_idle_loop(self) -> None:
+        """Work for the idle engine arrived (a peer's want, a newly applied limit): the idle
+        watcher looks at once, and an engine loop asleep in a poll wakes."""
+        self.poke.set()
+        for wake in self._wakers:
+            wake()
 
     # ---- wants ------------------------------------------------------------------
 

@@ -157,19 +157,6 @@ def call_after(cls: type, name: str, after: Callable[..., None]) -> Callable:
     return wrap_method(cls, name, make)
 
 
-def call_before(cls: type, name: str, before: Callable[..., None]) -> Callable:
-    """``wrap_method``: ``before(self, *args, **kwargs)``, then the original (its result returned)."""
-
-    def make(orig: Callable) -> Callable:
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            before(self, *args, **kwargs)
-            return orig(self, *args, **kwargs)
-
-        return wrapper
-
-    return wrap_method(cls, name, make)
-
-
 @dataclass
 class BasePatch:
     """One small change to one engine module, valid for a range of versions.

@@ -169,6 +169,9 @@ class InstanceLimits:
         # what is mapped, or a peer short of budget. The BlockManager sets it
         # to release its parked pages (which the allocator counts as in use).
         self.reclaim_unused: Optional[Callable[[], object]] = None
+        # Called on the watcher thread, no lock held, after a limit write that changed the
+        # limit was applied (ElasticInstance.wake_idle_loop: the idle engine meets it at once).
+        self.on_limit_applied: Optional[Callable[[], None]] = None
         # Called under this object's lock (on whichever thread moved it) when the
         # limit or the allocator's cap changes: the manager's kept capacity count is stale then.
         # It must not take a lock (PageSupply.changed: two stores).
@@ -299,7 +302,8 @@ class InstanceLimits:
         if not record_trusted(snap, self.name, self._limit, self._device_bytes, self._warned):
             return self._applied_revision if snap.busy else int(snap.revision)
         with self._lock:
-            if int(snap.limit) != self._limit and self.on_cap_change is not None:
+            changed = int(snap.limit) != self._limit
+            if changed and self.on_cap_change is not None:
                 self.on_cap_change()  # what the budget may grant moved, even where the cap did not
             self._limit = int(snap.limit)
             if self.budget is not None and self._grant > self._limit:
@@ -312,6 +316,9 @@ class InstanceLimits:
         with self._lock:
             self._applied_revision = int(snap.revision)
         self._tracker.ack_revision(snap.revision)
+        hook = self.on_limit_applied
+        if changed and hook is not None:
+            hook()
         now = time.monotonic()
         if self._pa is not None and 0 < self._limit < self._bpp and now - self._below_page_said >= _GIVE_BACK_LOG_S:
             # Applied as written (the writer cannot see the page size), but an engine held to it

@@ -84,6 +84,7 @@ SCHED = "sglang.srt.managers.scheduler"
 BUDGET = "sglang.srt.mem_cache.prefill_budget"
 WU = "sglang.srt.managers.scheduler_components.weight_updater"
 CC = "sglang.srt.managers.cache_controller"
+IDLE = "sglang.srt.managers.scheduler_components.idle_sleeper"
 
 FROM_0519 = VersionRange.parse(">=0.5.19,<0.6")
 FROM_0521 = VersionRange.parse(">=0.5.21,<0.6")
@@ -418,6 +419,17 @@ PATCHES: Dict[str, List[Item]] = {
             ),
         ),
         item("kvcached_report runs through collective_rpc", calls_in(SCHED, "Scheduler.handle_rpc_request", "getattr")),
+    ],
+    "sglang-idle-sleeper-wake": [
+        item(
+            "IdleSleeper sleeps in a zmq poll of its poller (a pipe registered there ends it)",
+            all_of(
+                has_methods(IDLE, "IdleSleeper", ["__init__", "maybe_sleep"]),
+                sets_attrs(IDLE, "IdleSleeper", ["poller"]),
+                calls_in(IDLE, "IdleSleeper.maybe_sleep", ".poll"),
+            ),
+        ),
+        item("the scheduler keeps its sleeper as idle_sleeper", sets_attrs(SCHED, "Scheduler", ["idle_sleeper"])),
     ],
     "sglang-hicache": [
         item(

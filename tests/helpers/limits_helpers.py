@@ -25,6 +25,23 @@ def unique_prefix() -> str:
     return f"kvt{os.getpid()}x{uuid.uuid4().hex[:6]}_"
 
 
+def two_in_one_budget(make_pa: Any, prefix: str, budget_pages: int) -> tuple:
+    """``(budget, pa_a, pa_b, a, b)``: instances ``<prefix>a`` and ``<prefix>b`` over the
+    allocators ``make_pa(0)`` and ``make_pa(1)``, in one host budget of ``budget_pages``
+    pages, a quantum of one page each (close both)."""
+    from kvcached.limits import DeviceBudget, InstanceLimits
+
+    budget = DeviceBudget("cpu", budget_pages * BPP, scope=prefix)
+    pas = make_pa(0), make_pa(1)
+    inst = [
+        InstanceLimits.for_page_allocator(
+            pa, engine="t", device="cpu", name=prefix + k, budget=budget, quantum_bytes=BPP
+        )
+        for pa, k in zip(pas, "ab")
+    ]
+    return (budget, *pas, *inst)
+
+
 class Worker:
     """An instance in a child process (tests/helpers/limits_worker.py)."""
 

@@ -17,7 +17,7 @@ from kvcached.errors import InvalidArgumentError, OutOfMemoryError
 from kvcached.limits import DeviceBudget, InstanceLimits, format_size, parse_size
 from kvcached.naming import default_instance_name, instance_name, validate_name
 from kvcached.naming import group_name as group_record_name
-from limits_helpers import BPP, LAYERS, PAGE, record_state
+from limits_helpers import BPP, LAYERS, PAGE, record_state, two_in_one_budget
 
 PAGES = 16
 
@@ -109,14 +109,7 @@ def test_shrink_is_gradual_and_never_unmaps_a_live_page(host, prefix):
 
 
 def test_budget_gate_shares_one_device_between_instances(host, prefix):
-    budget = DeviceBudget("cpu", 10 * BPP, scope=prefix)
-    pa_a, pa_b = host(0), host(1)
-    a = InstanceLimits.for_page_allocator(
-        pa_a, engine="t", device="cpu", name=prefix + "a", budget=budget, quantum_bytes=BPP
-    )
-    b = InstanceLimits.for_page_allocator(
-        pa_b, engine="t", device="cpu", name=prefix + "b", budget=budget, quantum_bytes=BPP
-    )
+    budget, pa_a, pa_b, a, b = two_in_one_budget(host, prefix, 10)
     try:
         assert b.num_free_pages() == 10 - 1  # a holds its first quantum
         a.admit_pages(8)
@@ -207,14 +200,7 @@ def test_a_wanting_instance_counts_a_peers_give_back_at_once(host, prefix):
     """Outside a want, what peers hold is reused for 50 ms (num_free_pages runs every
     step); while a want is published it is read on every call, so the step after a
     peer's give-back admits the load (trace: it came up to 46 ms late)."""
-    budget = DeviceBudget("cpu", 10 * BPP, scope=prefix)
-    pa_a, pa_b = host(0), host(1)
-    a = InstanceLimits.for_page_allocator(
-        pa_a, engine="t", device="cpu", name=prefix + "a", budget=budget, quantum_bytes=BPP
-    )
-    b = InstanceLimits.for_page_allocator(
-        pa_b, engine="t", device="cpu", name=prefix + "b", budget=budget, quantum_bytes=BPP
-    )
+    budget, pa_a, pa_b, a, b = two_in_one_budget(host, prefix, 10)
     try:
         a.admit_pages(9)
         ids = pa_a.alloc_pages(9)  # a maps 9 of 10: one page of room
@@ -234,6 +220,33 @@ def test_a_wanting_instance_counts_a_peers_give_back_at_once(host, prefix):
     finally:
         a.close()
         b.close()
+
+
+def test_an_applied_limit_that_changed_calls_on_limit_applied(host, prefix):
+    """The hook the elastic instance wakes its idle engine with (it evicts down to a
+    lowered limit at once, also from SGLang's --sleep-on-idle poll): once per change,
+    after the ack, on the watcher thread."""
+    import threading
+
+    pa = host(0)
+    limits = InstanceLimits.for_page_allocator(pa, engine="t", device="cpu", name=prefix + "hook", budget=None)
+    called = []
+    limits.on_limit_applied = lambda: called.append(threading.current_thread().name)
+    try:
+
+        def calls_after(limit: int) -> int:
+            n = len(called)
+            wait_applied(limits, tracker.set_limit(limit))
+            # The hook runs just after the ack: a later write's ack orders it.
+            wait_applied(limits, tracker.set_limit(limit))
+            return len(called) - n
+
+        tracker = _C.MemInfoTracker.open(prefix + "hook")
+        assert calls_after(4 * BPP) == 1 and called[0] != threading.current_thread().name
+        assert calls_after(4 * BPP) == 0  # written again, not changed
+        assert calls_after(8 * BPP) == 1
+    finally:
+        limits.close()
 
 
 def test_dead_instances_hold_nothing(host, prefix):

@@ -11,8 +11,7 @@ import pytest
 from kvcached import _C, trace
 from kvcached.bench.burst_report import burst_rows
 from kvcached.errors import OutOfMemoryError
-from kvcached.limits import DeviceBudget, InstanceLimits
-from limits_helpers import BPP, LAYERS, PAGE
+from limits_helpers import BPP, LAYERS, PAGE, two_in_one_budget
 
 PAGES = 16
 
@@ -45,14 +44,7 @@ def traced(tmp_path):
 
 
 def test_a_short_instance_and_its_peer_write_one_timeline(host, prefix, traced):
-    budget = DeviceBudget("cpu", 10 * BPP, scope=prefix)
-    pa_a, pa_b = host(0), host(1)
-    holder = InstanceLimits.for_page_allocator(
-        pa_a, engine="t", device="cpu", name=prefix + "holder", budget=budget, quantum_bytes=BPP
-    )
-    short = InstanceLimits.for_page_allocator(
-        pa_b, engine="t", device="cpu", name=prefix + "short", budget=budget, quantum_bytes=BPP
-    )
+    budget, pa_a, pa_b, holder, short = two_in_one_budget(host, prefix, 10)  # a holds, b is short
     try:
         holder.admit_pages(8)
         pa_a.alloc_pages(8)  # 8 pages + one quantum held: 1 page of room left
@@ -70,22 +62,20 @@ def test_a_short_instance_and_its_peer_write_one_timeline(host, prefix, traced):
         short.close()
     events = trace.read(traced)
     mine = [(e["instance"], e["event"]) for e in events]
-    want = mine.index((prefix + "short", "want"))
-    woke = mine.index((prefix + "holder", "peer_woke"))
-    released = next(
-        i for i, e in enumerate(events) if e["event"] == "grant_released" and e["instance"] == prefix + "holder"
-    )
+    want = mine.index((prefix + "b", "want"))
+    woke = mine.index((prefix + "a", "peer_woke"))
+    released = next(i for i, e in enumerate(events) if e["event"] == "grant_released" and e["instance"] == prefix + "a")
     grown = next(
         i
         for i, e in enumerate(events)
-        if e["event"] == "grant" and e["instance"] == prefix + "short" and e["bytes"] > 0 and i > want
+        if e["event"] == "grant" and e["instance"] == prefix + "b" and e["bytes"] > 0 and i > want
     )
     assert want < woke < released < grown
     assert events[want]["new"] == 1 and events[want]["bytes"] > 0
     assert events[released]["bytes"] == BPP  # the quantum the holder held unused
-    refused = next(e for e in events if e["event"] == "grant" and e["instance"] == prefix + "short" and e["short"])
+    refused = next(e for e in events if e["event"] == "grant" and e["instance"] == prefix + "b" and e["short"])
     assert refused["bytes"] == 0 and refused["ms"] >= 0
-    phases = [r["phase"] for r in burst_rows(events) if r["instance"] == prefix + "short"]
+    phases = [r["phase"] for r in burst_rows(events) if r["instance"] == prefix + "b"]
     assert phases[:5] == [
         "want published",
         "peer woke (limits watcher)",

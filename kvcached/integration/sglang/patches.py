@@ -20,6 +20,7 @@ The seam x version table with file:line evidence is docs/notes/sglang_seams.md.
   decode admission         check_decode_mem ...            allocator.check_decode_capacity ...
   retract to a limit       check_decode_mem (all)
   scheduler events         Scheduler.__init__/run_batch/process_batch_result/on_idle/flush_cache (all)
+  idle sleeper             IdleSleeper.__init__/maybe_sleep: poller (all; --sleep-on-idle)
   memory saver             SchedulerWeightUpdaterManager.release/resume_memory_occupation (all)
   hierarchical cache       HiCacheController.__init__/start_writing/start_loading (all)
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
-from kvcached.integration.patch_base import BasePatch, call_after, call_before, wrap_method
+from kvcached.integration.patch_base import BasePatch, call_after, wrap_method
 from kvcached.integration.seam_table import Needs
 from kvcached.integration.sglang import profile
 
@@ -299,12 +300,29 @@ def _scheduler(mod: ModuleType) -> None:
 
     cls = mod.Scheduler
     call_after(cls, "__init__", lambda self, _out, *a, **k: sh.after_init(self))
-    call_before(cls, "run_batch", lambda self, *a, **k: sh.before_launch())
-    call_after(cls, "run_batch", lambda self, result, *a, **k: sh.after_launch(result))
+    wrap_method(cls, "run_batch", _around_run_batch)
     call_after(cls, "process_batch_result", lambda self, _out, batch, result, *a, **k: sh.after_result(self, result))
     call_after(cls, "on_idle", lambda self, _out, *a, **k: sh.on_idle(self))
     call_after(cls, "flush_cache", lambda self, ok, *a, **k: sh.after_flush(self, ok))
     cls.kvcached_report = sh.kvcached_report
+
+
+def _around_run_batch(run_batch: Callable) -> Callable:
+    from kvcached.integration.sglang import scheduler_hooks as sh
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sh.before_launch()
+        result = run_batch(self, *args, **kwargs)
+        sh.after_launch(result)
+        return result
+
+    return wrapper
+
+
+def _idle_sleeper(mod: ModuleType) -> None:
+    from kvcached.integration.sglang.idle_wake import patch_idle_sleeper
+
+    patch_idle_sleeper(mod)
 
 
 # ------------------------------------------------------------ hierarchical cache
@@ -370,6 +388,8 @@ def _specs() -> List[Tuple[str, str, Needs, Callable[[ModuleType], None], str]]:
           "a lowered limit: retract running requests until their pages fit (check_decode_mem)"),
         p("sglang-scheduler", "sglang.srt.managers.scheduler", None, _scheduler,
           "deferred physical release, prefix-cache bound, idle give-back, kvcached_report"),
+        p("sglang-idle-sleeper-wake", "sglang.srt.managers.scheduler_components.idle_sleeper", None, _idle_sleeper,
+          "--sleep-on-idle: kvcached's wake_idle_loop (a peer's want, a new limit) ends the idle poll"),
         p("sglang-hicache", "sglang.srt.managers.cache_controller", None, _hicache,
           "--enable-hierarchical-cache: host<->device copies hold their slots' pages until their finish event"),
         p("sglang-memory-saver", WEIGHT_UPDATER, None, _memory_saver,

@@ -68,6 +68,7 @@ from kvcached.integration.sglang.eviction import (
     protected_tokens,
 )
 from kvcached.integration.sglang.hicache import poll_allocator
+from kvcached.integration.sglang.idle_wake import waker_of
 from kvcached.integration.sglang.pool import elastic_groups, instance
 from kvcached.integration.sglang.step_timing import step_timer
 
@@ -88,13 +89,17 @@ _stats: Dict[str, int] = {
 
 def after_init(scheduler: Any) -> None:
     """The scheduler is built: its elastic allocators (a hybrid's state slots too) learn its
-    prefix cache (they evict from it when an allocation comes up short, see ``allocator.py``)."""
+    prefix cache (they evict from it when an allocation comes up short, see ``allocator.py``),
+    and an idle sleeper (``--sleep-on-idle``) is woken by the instance's wake."""
     alloc = getattr(scheduler, "token_to_kv_pool_allocator", None)
     tree = getattr(scheduler, "tree_cache", None)
     states = getattr(getattr(scheduler, "req_to_token_pool", None), "mamba_allocator", None)
     for a in (alloc, getattr(alloc, "full_attn_allocator", None), getattr(alloc, "swa_attn_allocator", None), states):
         if a is not None and hasattr(a, "kvcached_tree_cache"):
             a.kvcached_tree_cache = tree
+    wake = waker_of(getattr(scheduler, "idle_sleeper", None))  # --sleep-on-idle (idle_wake.py)
+    if wake is not None and elastic_groups():
+        instance().add_waker(wake)
 
 
 def before_launch() -> None:
@@ -143,11 +148,20 @@ def on_idle(scheduler: Any) -> None:
         waiting = note_waiting(scheduler)
         if not waiting:
             give_back_to_peers(tree)
+            yield_gil()
         stall = _stall_backoff()
         if stall is not None and waiting:  # requests wait, none was admitted, none runs
             stall.stalled(len(scheduler.waiting_queue))
         elif stall is not None:
             stall.progress()
+
+
+def yield_gil() -> None:
+    """Without --sleep-on-idle an idle SGLang loop spins holding the GIL: kvcached's threads
+    in its process (the limits watcher acting on a peer's want or a limit write) got it back
+    only at the 5 ms switch interval, at each of their calls (trace, CPU: 28-83 ms before the
+    give-back began). One yield per idle turn with nothing waiting lets them run at once."""
+    time.sleep(0)
 
 
 _stall: Optional[StallBackoff] = None

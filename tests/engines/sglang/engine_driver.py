@@ -193,6 +193,7 @@ class ServerClient:
             flags += ["--max-total-tokens", str(kw["max_total_tokens"])]
         if kw.get("enable_metrics"):
             flags.append("--enable-metrics")
+        flags += list(kw.get("extra_flags", ()))
         self.log_path = cfg["server_log"]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(

@@ -1,6 +1,8 @@
 """SGLang's idle turn paces a scheduler that admits nothing: requests waiting,
 nothing in flight (``StallBackoff``, kvcached.elastic); a turn with nothing
-waiting, or a batch that ran, resets it."""
+waiting, or a batch that ran, resets it. A turn with nothing waiting yields the GIL
+once (kvcached's threads in the scheduler process run at once, not at the switch
+interval)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def hooks(monkeypatch):
     for name in ("poll_allocator", "shrink_to_limits", "release_all", "give_back_to_peers"):
         monkeypatch.setattr(sh, name, lambda *a, **k: 0)
     monkeypatch.setattr(sh, "note_waiting", lambda s: bool(s.waiting_queue))
+    monkeypatch.setattr(sh, "yield_gil", lambda: slept.append("yield"))
     return sh, slept
 
 
@@ -36,9 +39,9 @@ def test_idle_turns_with_requests_waiting_sleep_longer_each_time_and_reset(hooks
     for _ in range(3):
         sh.on_idle(_scheduler(["r", "s"]))
     assert slept == [0.0005, 0.001, 0.002]
-    sh.on_idle(_scheduler([]))  # nothing waits: no sleep, and the next stall starts again
+    sh.on_idle(_scheduler([]))  # nothing waits: no sleep (a yield), and the next stall starts again
     sh.on_idle(_scheduler(["r"]))
-    assert slept[3:] == [0.0005]
+    assert slept[3:] == ["yield", 0.0005]
 
 
 def test_a_batch_in_flight_is_not_paced(hooks):

@@ -14,9 +14,11 @@ Checked: both engines' tokens for the same prompts are identical, neither crashe
 reported a leak, what both map together never exceeds the budget (sampled from their
 shared-memory records under the budget's lock all along), and each engine really used
 pages the other gave back (its peak exceeds what the other left it at the start).
-Both run with ``--enable-metrics``: their own /metrics serve kvcached_* series equal to
-``kvctl list --json`` at every step, and the record's counters tell the story above
-(pages mapped by A's batch, A's give-backs, B's refusals by the budget and its want served).
+A runs with ``--sleep-on-idle`` (its idle loop sleeps in a poll that kvcached's wake
+ends, ``idle_wake.py``), B without. Both run with ``--enable-metrics``: their own
+/metrics serve kvcached_* series equal to ``kvctl list --json`` at every step, and the
+record's counters tell the story above (pages mapped by A's batch, A's give-backs, B's
+refusals by the budget and its want served).
 
 The budget counts every live kvcached instance of this user on the host: run alone
 (as CI does), not beside other kvcached engines on the CPU.
@@ -97,6 +99,8 @@ def pair(tiny_model, tmp_path_factory) -> Dict[str, Any]:
         for k in "ab":
             cfg = {"model": tiny_model, "server_log": out["logs"][k]}
             kw = dict(page_size=16, log_level="info", max_total_tokens=None, enable_metrics=True)
+            if k == "a":  # A idles asleep in its poll of the request sockets: kvcached wakes it to give back
+                kw["extra_flags"] = ["--sleep-on-idle"]
             servers[k] = ServerClient(cfg, kw, env=_env(names[k]))
         sampler.start()
         a, b = servers["a"], servers["b"]
