@@ -201,14 +201,14 @@ for step in "${steps[@]}"; do
     # Issue 29 item 4. Gemma 3 / 4 (GPU shapes): 200 prompts allocate ~1.8 / ~2.4 GiB of blocks over the
     # run (window blocks leave and stay cached), 4G each: nothing evicted; the limits about a third of
     # what is live at once. FP8: the 1B shape's 16 KiB a token in fp8, 200 prompts ~2.4 GiB: 3G each.
-    # Sliding-window layers are refused on a GPU since gemma3-limit differed (2026-12-05): --allow-unsupported.
+    # Sliding-window layers were refused on a GPU from 12-05 (one gemma3-limit run differed) to 12-06 (five identical).
     gemma3|gemma4)
       [ "$base" = gemma3 ] && model=$gemma3 || model=$gemma4
-      run "$step" $proof/correctness.py --model "$model" --allow-unsupported --prompts 200 --kv 4G \
+      run "$step" $proof/correctness.py --model "$model" --prompts 200 --kv 4G \
         --only native,kvcached,native-2 --control ;;
     gemma3-limit|gemma4-limit)
       [ "$base" = gemma3-limit ] && model=$gemma3 lim=512M || model=$gemma4 lim=768M
-      run "$step" $proof/correctness.py --model "$model" --allow-unsupported --prompts 200 --kv 4G --limit "$lim" \
+      run "$step" $proof/correctness.py --model "$model" --prompts 200 --kv 4G --limit "$lim" \
         --only native-bi,kvcached-limit,native-small --control ;;
     # Which gemma3-limit's difference needs (175 of 200 with native-small's very schedule, H100 12-05; one
     # sequence already at its first token, before any block was freed): a read-only zero page (a kernel
@@ -222,7 +222,7 @@ for step in "${steps[@]}"; do
         *-sync) knob='{"async_scheduling": false}' ;;
         *-loose) lim=4G ;;
       esac
-      KVCACHED_ZERO_PAGE=$zp run "$step" $proof/correctness.py --model "$gemma3" --allow-unsupported --prompts 200 \
+      KVCACHED_ZERO_PAGE=$zp run "$step" $proof/correctness.py --model "$gemma3" --prompts 200 \
         --kv 4G --limit "$lim" --only native-bi,kvcached-limit,native-small --control ${knob:+--engine-args "$knob"} ;;
     fp8) run "$step" $proof/correctness.py --model "$small" --prompts 200 --kv 3G \
       --only native,kvcached,native-2 --control --engine-args "$fp8" ;;

@@ -176,13 +176,6 @@ _HYBRID_GPU_WHY = (
     "runs since, with a read-only zero page; under a limit native's own recompute differs, so no limit run "
     f"can decide yet: {_GPU_DOC})"
 )
-# 2026-12-05, H100, vLLM 0.26: gemma3-limit (scripts/gpu_engines.sh).
-_SLIDING_GPU_WHY = (
-    "a tiny Gemma 3 under a 512 MiB limit (46 preemptions) gave other greedy tokens than native with a pool "
-    "that small in 175 of 200 sequences, with that native's very schedule; identical without a limit "
-    f"({_GPU_DOC})"
-)
-
 FAMILIES: Tuple[Family, ...] = (
     Family(
         "full_attention",
@@ -236,9 +229,17 @@ FAMILIES: Tuple[Family, ...] = (
             "a 2,000-token decode; SGLang serves Gemma 3 from one pool (its hybrid SWA memory is off for "
             "Gemma 2/3), the window a mask; SWA composite pools from SGLang's classes (0.5.21+)"
         ),
-        # Identical without a limit on 0.26 and 0.29 (H100, 200 prompts, outputs to 2,386 tokens);
-        # under one, not: refused until the bisecting steps (gemma3-limit-loose/-ro/-eager/-sync) say why.
-        vllm_gpu=refused(_SLIDING_GPU_WHY),
+        # Refused on a GPU from 12-05 (one gemma3-limit run at f42a9d3 differed in 175 of 200) to 12-06,
+        # when five runs under a limit at c5913be (plain twice, a read-only zero page, eager, no async
+        # scheduling) were all identical with native-small's schedule: docs/GPU.md says what differs.
+        vllm_gpu=h200(
+            ["0.26", "0.29"],
+            "H100, tiny Gemma 3 (window 512), outputs to 2,386 tokens crossing it: 0 of 200 sequences differ "
+            "from native, as from a second native (both releases); on 0.26 under a 512 MiB limit (46 "
+            "preemptions, batch-invariant kernels) 0 of 200 differ from native with a pool that small, with its "
+            "very schedule, in five runs (CUDA graphs and async scheduling, eager, synchronous, a read-only "
+            "zero page); one earlier run at f42a9d3 differed in 175 and is not reproduced",
+        ),
         sglang_gpu=h200(
             ["0.5.17"],
             "H100, tiny Gemma 3 (window 512) in SGLang's one pool: 0 of 200 sequences differ from native, as "
@@ -256,10 +257,13 @@ FAMILIES: Tuple[Family, ...] = (
         vllm_cpu=ci(
             "hybrid and one-group (vLLM 0.26 cannot load Gemma 4 with transformers 5.x)", versions=["0.29", "0.32"]
         ),
-        vllm_gpu=not_run(
-            "no native engine starts it on the lent GPU's image: vLLM 0.26 with transformers 5.17 refuses its "
-            "per-layer `head_dim`; 0.29's FlashAttention for head size 256 imports `cutlass` (nvidia-cutlass-dsl), "
-            "not in the carried set; its sliding-window layers are refused on a GPU as Gemma 3's"
+        vllm_gpu=h200(
+            ["0.29"],
+            "H100, tiny Gemma 4 (global layers of head size 256 beside local ones of 128) under a 768 MiB "
+            "limit (50 preemptions, batch-invariant kernels): 0 of 200 sequences differ from native with a pool "
+            "that small, with its very schedule, nor from unlimited native; without a limit not yet run (0.29's "
+            "FlashAttention for head size 256 imports quack-kernels, now in the carried set; 0.26 with "
+            "transformers 5.17 refuses its per-layer `head_dim`)",
         ),
         sglang_cpu=classes(
             "SWA composite with sub-pools of head sizes 32 and 64 from SGLang's classes (0.5.23); SGLang's CPU "

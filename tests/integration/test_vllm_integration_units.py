@@ -758,10 +758,11 @@ def test_a_hybrid_buffer_counts_the_tokens_of_its_attention_layer():
 
 
 def test_a_gpu_worker_refuses_state_kinds_not_proven_on_a_gpu(monkeypatch, caplog):
-    """Mamba / GDN state and sliding-window layers are proven on the CPU engines; on a GPU a
-    Qwen3-Next, and a Gemma 3 under a limit, gave other tokens than native with the same
-    schedule. A CUDA worker fails closed in one line naming the way out; the CPU serves it;
-    KVCACHED_ALLOW_UNSUPPORTED=1 tries it with a warning."""
+    """Mamba / GDN state is proven on the CPU engines; on a GPU a Qwen3-Next gave other
+    tokens than native with the same schedule. A CUDA worker fails closed in one line naming
+    the way out; the CPU serves it; KVCACHED_ALLOW_UNSUPPORTED=1 tries it with a warning.
+    Sliding-window layers (Gemma 3), refused on a GPU while one limit run differed, are served
+    since five limit runs were identical (docs/GPU.md, 2026-12-06)."""
     from kvcached.integration.vllm.kv_layout import refuse_unproven_on_device
 
     monkeypatch.delenv("KVCACHED_ALLOW_UNSUPPORTED", raising=False)
@@ -773,10 +774,8 @@ def test_a_gpu_worker_refuses_state_kinds_not_proven_on_a_gpu(monkeypatch, caplo
     assert "KVCACHED_ALLOW_UNSUPPORTED=1" in str(e.value)
     refuse_unproven_on_device(hybrid, "cpu")
     refuse_unproven_on_device(_kv_config(FullAttentionSpec(**kw)), "cuda:0")
-    # Gemma 3's window layers: a limit run on a GPU differed (docs/GPU.md); the CPU serves them.
     gemma3 = _kv_config(FullAttentionSpec(**kw), _spec_class("SlidingWindowSpec")(sliding_window=512, **kw))
-    with pytest.raises(InvalidArgumentError, match=r"sliding-window attention on a GPU yet \(a tiny Gemma 3"):
-        refuse_unproven_on_device(gemma3, "cuda:0")
+    refuse_unproven_on_device(gemma3, "cuda:0")
     refuse_unproven_on_device(gemma3, "cpu")
     monkeypatch.setenv("KVCACHED_ALLOW_UNSUPPORTED", "1")
     with caplog.at_level(logging.WARNING, logger="vllm.kvcached"):
