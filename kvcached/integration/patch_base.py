@@ -28,6 +28,7 @@ does not run half patched.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import re
 import sys
@@ -155,6 +156,17 @@ def call_after(cls: type, name: str, after: Callable[..., None]) -> Callable:
         return wrapper
 
     return wrap_method(cls, name, make)
+
+
+def deferred_call(module: str, func: str, *args: object) -> Callable[[ModuleType], None]:
+    """A patch's apply: ``module.func(target, *args)``, ``module`` imported only when it
+    runs (importing a patch table must import neither the engine nor torch)."""
+
+    def apply(target: ModuleType) -> None:
+        getattr(importlib.import_module(module), func)(target, *args)
+
+    apply.__qualname__ = apply.__name__ = func
+    return apply
 
 
 @dataclass

@@ -38,7 +38,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
-from kvcached.integration.patch_base import BasePatch, call_after, wrap_method
+from kvcached.integration.patch_base import BasePatch, call_after, deferred_call, wrap_method
 from kvcached.integration.seam_table import Needs
 from kvcached.integration.sglang import profile
 
@@ -276,22 +276,9 @@ def _mamba_state(mod: ModuleType) -> None:
 
 
 # --------------------------------------------------------------------- admission
-def _prefill_adder(mod: ModuleType) -> None:
-    from kvcached.integration.sglang.admission import patch_prefill_adder
-
-    patch_prefill_adder(mod)
-
-
-def _check_decode_mem(mod: ModuleType) -> None:
-    from kvcached.integration.sglang.admission import patch_check_decode_mem
-
-    patch_check_decode_mem(mod)
-
-
-def _retract_to_limit(mod: ModuleType) -> None:
-    from kvcached.integration.sglang.admission import patch_retract_to_limit
-
-    patch_retract_to_limit(mod)
+_prefill_adder = deferred_call("kvcached.integration.sglang.admission", "patch_prefill_adder")
+_check_decode_mem = deferred_call("kvcached.integration.sglang.admission", "patch_check_decode_mem")
+_retract_to_limit = deferred_call("kvcached.integration.sglang.admission", "patch_retract_to_limit")
 
 
 # --------------------------------------------------------------------- scheduler
@@ -319,24 +306,15 @@ def _around_run_batch(run_batch: Callable) -> Callable:
     return wrapper
 
 
-def _idle_sleeper(mod: ModuleType) -> None:
-    from kvcached.integration.sglang.idle_wake import patch_idle_sleeper
-
-    patch_idle_sleeper(mod)
+_idle_sleeper = deferred_call("kvcached.integration.sglang.idle_wake", "patch_idle_sleeper")
 
 
 # ------------------------------------------------------------ hierarchical cache
-def _hicache(mod: ModuleType) -> None:
-    from kvcached.integration.sglang.hicache import patch_cache_controller
-
-    patch_cache_controller(mod)
+_hicache = deferred_call("kvcached.integration.sglang.hicache", "patch_cache_controller")
 
 
 # ----------------------------------------------------------------- memory saver
-def _memory_saver(mod: ModuleType) -> None:
-    from kvcached.integration.sglang.memory_saver import patch_weight_updater
-
-    patch_weight_updater(mod)
+_memory_saver = deferred_call("kvcached.integration.sglang.memory_saver", "patch_weight_updater")
 
 
 # The seam a patch's contract reads, where it is not the one the patch needs: the

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Callable, Dict, List, Tuple
 
 from kvcached.integration.patch_base import BasePatch, Version
+from kvcached.integration.patch_base import deferred_call as _call
 from kvcached.integration.seam_table import Needs
 from kvcached.integration.vllm import profile
 
@@ -49,15 +50,6 @@ ALLOCATE_KV_CACHE_IMPORTER_NEEDS: Tuple[Tuple[str, Needs, bool], ...] = (
 )
 ALLOCATE_KV_CACHE_IMPORTERS = tuple(name for name, _, _ in ALLOCATE_KV_CACHE_IMPORTER_NEEDS)
 BY_NAME = "allocate_kv_cache_by_name:"
-
-
-def _call(module: str, func: str, *args: object) -> Callable[[ModuleType], None]:
-    """A patch's apply: ``module.func(target, *args)``, imported when it runs."""
-
-    def apply(target: ModuleType) -> None:
-        getattr(importlib.import_module(module), func)(target, *args)
-
-    return apply
 
 
 _POOL = "kvcached.integration.vllm.block_pool"
