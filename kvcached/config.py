@@ -221,7 +221,8 @@ VARIABLES: Tuple[Var, ...] = (
         default="rw",
         meaning="`ro` maps the zero page behind unmapped KV memory read-only: a kernel writing where "
         "no page is mapped faults instead of changing what all unmapped memory reads (a probe: on a "
-        "GPU the writing process dies with SIGSEGV; run on an H100 with vLLM, docs/GPU.md)",
+        "GPU the writing process dies with SIGSEGV; run on an H100 by tests/vmm/test_zero_page_read_only.py, "
+        "docs/GPU.md)",
     ),
     Var(
         name="KVCACHED_TRACE",

@@ -13,6 +13,21 @@
 set -euo pipefail
 root=$PWD
 sets=()
+# write_sitecustomize DIR KVCACHED_SITE SET_SITE: DIR/sitecustomize.py puts both site directories
+# ahead of the image's packages in every process that has DIR on PYTHONPATH.
+write_sitecustomize() {
+  mkdir -p "$1"
+  cat > "$1/sitecustomize.py" <<EOF
+import site, sys
+n = len(sys.path)
+for d in ("$2", "$3"):
+    site.addsitedir(d)
+new = sys.path[n:]
+del sys.path[n:]
+at = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))), len(sys.path))
+sys.path[at:at] = new
+EOF
+}
 for d in /tmp/gw/*/; do
   [ -d "$d" ] || continue
   set=$(basename "$d")
@@ -32,17 +47,7 @@ for d in /tmp/gw/*/; do
     echo "[gpu] set $set unpacked into $site in $(( $(date +%s) - t0 )) s"
   fi
   sets+=("$set")
-  mkdir -p "/tmp/sc-$set"
-  cat > "/tmp/sc-$set/sitecustomize.py" <<EOF
-import site, sys
-n = len(sys.path)
-for d in ("/tmp/site-kvcached", "$site"):
-    site.addsitedir(d)
-new = sys.path[n:]
-del sys.path[n:]
-at = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))), len(sys.path))
-sys.path[at:at] = new
-EOF
+  write_sitecustomize "/tmp/sc-$set" /tmp/site-kvcached "$site"
 done
 [ ${#sets[@]} -gt 0 ] || { echo "no engine set in /tmp/gw: copy the slices of scripts/gpu_fetch_wheels.sh first" >&2; exit 1; }
 # kvcached again only when this tree's sources differ from what was installed (~25 s).
@@ -52,6 +57,20 @@ if [ "$(cat /tmp/site-kvcached/.kvcached-stamp 2>/dev/null)" != "$stamp" ]; then
     || { tail -30 /tmp/kvcached-install.log; exit 1; }
   echo "$stamp" > /tmp/site-kvcached/.kvcached-stamp
 fi
+# Earlier commits packed by scripts/gpu_pack_tree.sh (.gpuw/tree/REV.tgz, carried): each into
+# /tmp/site-kvcached-REV, and /tmp/sc-SET-REV runs set SET with it (STEP@SET-REV).
+for t in "$root"/.gpuw/tree/*.tgz; do
+  [ -f "$t" ] || continue
+  rev=$(basename "$t" .tgz)
+  if ! [ -f "/tmp/site-kvcached-$rev/.installed" ]; then
+    src=$(mktemp -d) && tar xzf "$t" -C "$src"
+    python3 -m pip install -q --no-deps --no-build-isolation --target "/tmp/site-kvcached-$rev" "$src" \
+      > "/tmp/kvcached-install-$rev.log" 2>&1 || { tail -30 "/tmp/kvcached-install-$rev.log"; exit 1; }
+    touch "/tmp/site-kvcached-$rev/.installed"
+    echo "[gpu] kvcached at $rev installed into /tmp/site-kvcached-$rev"
+  fi
+  for s in "${sets[@]}"; do write_sitecustomize "/tmp/sc-$s-$rev" "/tmp/site-kvcached-$rev" "/tmp/site-$s"; done
+done
 set +eu
 gpu_env() { echo "/tmp/sc-$1"; }
 if [ -d /tmp/sc-vllm ]; then export PYTHONPATH=/tmp/sc-vllm; else export PYTHONPATH=/tmp/sc-${sets[0]}; fi

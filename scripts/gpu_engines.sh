@@ -87,6 +87,7 @@
 #   STEP@SET runs STEP with engine set SET's site directory (PYTHONPATH=/tmp/sc-SET, e.g.
 #   correctness@vllm029: vLLM 0.29); STEP.N is STEP again under its own name (tables, work folder),
 #   so one step can be repeated in one session (hybrid-ro hybrid-ro.2; both: gemma4.2@vllm029).
+#   STEP@SET-REV runs it with an earlier commit's kvcached (scripts/gpu_pack_tree.sh REV).
 #   STEP-trace runs STEP with KVCACHED_TRACE=$OUT/trace-STEP, then prints its burst timelines
 #   (python -m kvcached.bench burst) to $OUT/STEP-burst.txt (three-trace, mixed-trace: issue 30).
 #   KVCACHED_VLLM_PYTHONPATH
@@ -124,6 +125,13 @@ run() {
   python3 "$script" --out "$WORK/$step" "$@" 2>&1 | tee "$OUT/$step.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 }
+# fits GIB: how many engines of GIB each this card holds side by side (at least 1): three 8B
+# engines with 22 GiB of KV (~40 GiB each) fit an H200, one an H100.
+fits() {
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  echo $(( ${mib:-0} / 1024 / $1 > 1 ? ${mib:-0} / 1024 / $1 : 1 ))
+}
 # run_sglang STEP SCRIPT ARGS...: the same with SGLang's site directory on the path.
 run_sglang() { PYTHONPATH=$sglang_path run "$@"; }
 for step in "${steps[@]}"; do
@@ -131,6 +139,9 @@ for step in "${steps[@]}"; do
   t0=$(date +%s)
   base=${step%@*} && base=${base%.[0-9]*} && given_path=${PYTHONPATH-}
   [ "${step#*@}" != "$step" ] && export PYTHONPATH=/tmp/sc-${step#*@}
+  # An earlier commit's kvcached (STEP@SET-REV, scripts/gpu_pack_tree.sh) may refuse what this one
+  # serves (Gemma 3 on a GPU before 12-06): let it try, as --allow-unsupported does.
+  case "${step#*@}" in *-*) [ "${step#*@}" != "$step" ] && export KVCACHED_ALLOW_UNSUPPORTED=1 ;; esac
   traced=
   if [ "${base%-trace}" != "$base" ]; then
     base=${base%-trace} traced=$OUT/trace-$step
@@ -163,16 +174,17 @@ for step in "${steps[@]}"; do
     limits) run "$step" $proof/limits.py --model "$big" ;;
     # 200 prompts need 18.9 GiB of KV if nothing is ever evicted: 22G each.
     correctness) run "$step" $proof/correctness.py --model "$big" --prompts 200 --kv 22G \
-      --only native,kvcached,native-2 --control ;;
+      --only native,kvcached,native-2 --control --at-once "$(fits 42)" ;;
     correctness-limit) run "$step" $proof/correctness.py --model "$big" --prompts 200 \
-      --only native-bi,kvcached-limit,native-small --control ;;
+      --only native-bi,kvcached-limit,native-small --control --at-once "$(fits 30)" ;;
     # vLLM's native KV offloading (--kv-offloading-size) on every engine: the copies are fenced
     # (kvcached/integration/vllm/offload.py). offload: no pressure (stores only); offload-limit: the
     # kvcached limit a third of the need, so evicted prefixes come back from the host tier (loads).
     offload) run "$step" $proof/correctness.py --model "$big" --prompts 200 --kv 22G \
-      --only native,kvcached,native-2 --control --engine-args '{"kv_offloading_size": 16}' ;;
+      --only native,kvcached,native-2 --control --at-once "$(fits 42)" --engine-args '{"kv_offloading_size": 16}' ;;
     offload-limit) run "$step" $proof/correctness.py --model "$big" --prompts 200 \
-      --only native-bi,kvcached-limit,native-small --control --engine-args '{"kv_offloading_size": 16}' ;;
+      --only native-bi,kvcached-limit,native-small --control --at-once "$(fits 30)" \
+      --engine-args '{"kv_offloading_size": 16}' ;;
     # KVCACHED_PROOF_ARMS: some of native,recompute,offload (one device call each if they take long;
     # the arms measured earlier with the same settings are kept in the table and the plot).
     offload-idle) run "$step" $proof/offload_idle.py --model "$big" --plot "$OUT/gpu_offload_idle.png" \
@@ -272,6 +284,7 @@ for step in "${steps[@]}"; do
        exit 2 ;;
   esac
   export PYTHONPATH=$given_path
+  case "${step#*@}" in *-*) [ "${step#*@}" != "$step" ] && unset KVCACHED_ALLOW_UNSUPPORTED ;; esac
   if [ -n "$traced" ]; then
     unset KVCACHED_TRACE
     python3 -m kvcached.bench burst --trace "$traced" > "$OUT/$step-burst.txt" 2>&1 || rc=1

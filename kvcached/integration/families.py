@@ -172,9 +172,9 @@ def _refused_everywhere(key: str, name: str, feature: str, spec: str) -> Family:
 
 _HYBRID_GPU_WHY = (
     "on the H200 (vLLM 0.26) a Qwen3-Next gave other greedy tokens than without kvcached in 29, 0 and 19 "
-    "of 200 sequences in three runs, each with native's very schedule, not yet explained (0 of 200 in four "
-    "runs since, with a read-only zero page; under a limit native's own recompute differs, so no limit run "
-    f"can decide yet: {_GPU_DOC})"
+    "of 200 sequences in three runs, each with native's very schedule, not yet explained (0 of 200 in seven "
+    "runs since; under a limit native's own recompute differs, so no limit run can decide yet: "
+    f"{_GPU_DOC})"
 )
 FAMILIES: Tuple[Family, ...] = (
     Family(
@@ -230,15 +230,15 @@ FAMILIES: Tuple[Family, ...] = (
             "Gemma 2/3), the window a mask; SWA composite pools from SGLang's classes (0.5.21+)"
         ),
         # Refused on a GPU from 12-05 (one gemma3-limit run at f42a9d3 differed in 175 of 200) to 12-06,
-        # when five runs under a limit at c5913be (plain twice, a read-only zero page, eager, no async
-        # scheduling) were all identical with native-small's schedule: docs/GPU.md says what differs.
+        # when five runs under a limit at c5913be (CUDA graphs and async scheduling three times, eager,
+        # no async scheduling) were all identical with native-small's schedule: docs/GPU.md says what differs.
         vllm_gpu=h200(
             ["0.26", "0.29"],
             "H100, tiny Gemma 3 (window 512), outputs to 2,386 tokens crossing it: 0 of 200 sequences differ "
             "from native, as from a second native (both releases); on 0.26 under a 512 MiB limit (46 "
             "preemptions, batch-invariant kernels) 0 of 200 differ from native with a pool that small, with its "
-            "very schedule, in five runs (CUDA graphs and async scheduling, eager, synchronous, a read-only "
-            "zero page); one earlier run at f42a9d3 differed in 175 and is not reproduced",
+            "very schedule, in five runs (CUDA graphs and async scheduling three times, eager, synchronous); "
+            "one earlier run at f42a9d3 differed in 175 and is not reproduced",
         ),
         sglang_gpu=h200(
             ["0.5.17"],

@@ -38,11 +38,22 @@ def base_args(cpu: bool, max_model_len: int) -> List[str]:
     return ["--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
 
 
+# kvcached settings a step gives its kvcached engines through this process's environment
+# (``KVCACHED_ZERO_PAGE=ro`` for the -ro steps; ``KVCACHED_ALLOW_UNSUPPORTED`` for an earlier
+# commit's kvcached): ``vs.engine_env`` starts every engine without this process's KVCACHED_*
+# variables, so these are passed on by name (before 12-06 they were not: the -ro steps ran rw).
+STEP_SETTINGS = ("KVCACHED_ZERO_PAGE", "KVCACHED_ALLOW_UNSUPPORTED")
+
+
 def engine_env(kvcached: bool, name: str, cpu: bool, budget_fraction: float, **extra: object) -> Dict[str, str]:
     """Environment of one engine: kvcached on or off, the device budget of every
-    kvcached instance on the device (``budget_fraction`` of its memory)."""
+    kvcached instance on the device (``budget_fraction`` of its memory), and the
+    ``STEP_SETTINGS`` this process has (kvcached engines only)."""
     more: Dict[str, object] = dict(extra)
     if kvcached:
+        for k in STEP_SETTINGS:
+            if os.environ.get(k):
+                more.setdefault(k, os.environ[k])
         if cpu:
             more.setdefault("KVCACHED_HOST_MEMORY_BUDGET", f"{int(budget_fraction * 8 * GIB)}")
         else:

