@@ -12,6 +12,9 @@
 #       until the run has ended or SECONDS have passed: its progress and the tables of the
 #       steps done so far; $OUT/session.tgz holds the tables and logs, $OUT/work.tgz the steps'
 #       work folders (JSON, schedule traces), the running ones' too
+#   bash scripts/gpu_session.sh stop
+#       ends the run now (its process group: every step and engine it started); what it wrote
+#       stays, and the next start moves it aside (/tmp/gpu-session.N) instead of deleting it
 set -uo pipefail
 RES=/tmp/gpu-session
 TREE=/tmp/gpu-session-tree
@@ -22,11 +25,13 @@ case "${1:-}" in
     [ -f "$RES/done" ] || ! [ -d "$RES" ] || { echo "a run is under way: bash scripts/gpu_session.sh wait 500" >&2; exit 2; }
     # shellcheck disable=SC1091
     source scripts/gpu_device_install.sh || exit 1
-    rm -rf "$TREE" "$RES" && mkdir -p "$RES/out" && cp -a . "$TREE"
+    if [ -d "$RES" ]; then n=1; while [ -e "$RES.$n" ]; do n=$((n + 1)); done; mv "$RES" "$RES.$n"; fi
+    rm -rf "$TREE" && mkdir -p "$RES/out" && cp -a . "$TREE"
     setsid nohup bash "$TREE/scripts/gpu_session.sh" run "$@" > "$RES/session.log" 2>&1 < /dev/null &
     echo "started: $* (bash scripts/gpu_session.sh wait SECONDS)" ;;
   run)
     shift
+    echo $$ > "$RES/pid"  # started by setsid: this shell leads the run's process group (stop)
     cd "$TREE" || exit 1
     for group in "$@"; do
       echo "== $(date -Is) $group"
@@ -54,5 +59,14 @@ case "${1:-}" in
       tar czf "$OUT/work.tgz" -C /tmp/kvcached-proof --exclude=models --exclude=prompts.json .
     fi
     [ -f "$RES/done" ] ;;
-  *) echo "usage: bash scripts/gpu_session.sh start GROUP [GROUP ...] | wait SECONDS" >&2; exit 2 ;;
+  stop)
+    [ -f "$RES/pid" ] && ! [ -f "$RES/done" ] || { echo "no run under way" >&2; exit 0; }
+    pg=$(cat "$RES/pid")
+    kill -TERM -- "-$pg" 2>/dev/null
+    for _ in $(seq 20); do kill -0 -- "-$pg" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$pg" 2>/dev/null
+    echo "== $(date -Is) stopped" >> "$RES/session.log"
+    touch "$RES/done"
+    echo "stopped; tables so far: bash scripts/gpu_session.sh wait 1" ;;
+  *) echo "usage: bash scripts/gpu_session.sh start GROUP [GROUP ...] | wait SECONDS | stop" >&2; exit 2 ;;
 esac
