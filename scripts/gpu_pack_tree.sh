@@ -10,6 +10,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -eq 1 ] || { echo "usage: bash scripts/gpu_pack_tree.sh REV (a commit of this repository)" >&2; exit 2; }
 rev=$(git rev-parse --short=7 "$1^{commit}") || { echo "no commit $1 here: git log names them" >&2; exit 2; }
+# The step's scripts and engines run with that commit's kvcached, helpers included: it must have
+# the ones scripts/gpu_proof imports (all there from 2026-12-05 on).
+for m in kvcached/units.py kvcached/testing/vllm_server.py kvcached/testing/sglang_server.py \
+         kvcached/testing/record_sampler.py; do
+  git cat-file -e "$rev:$m" 2>/dev/null \
+    || { echo "$rev lacks $m, which scripts/gpu_proof imports: pick a later commit" >&2; exit 2; }
+done
 mkdir -p .gpuw/tree
 git archive --format=tar "$rev" | gzip -9 > ".gpuw/tree/$rev.tgz"
 echo ".gpuw/tree/$rev.tgz ($(du -h ".gpuw/tree/$rev.tgz" | cut -f1)): carry .gpuw/tree; steps STEP@<set>-$rev"
