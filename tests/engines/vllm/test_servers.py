@@ -101,7 +101,9 @@ def test_the_engine_view_of_a_run_counts_its_steps_and_tokens(servers):
     assert v["generation_tokens"] == n * h.MAX_TOKENS, v
     assert v["prompt_tokens"] == n * 201, v  # BOS + 200
     assert h.MAX_TOKENS <= v["steps"] <= n * h.MAX_TOKENS, v
-    assert v["tokens_per_step"] * v["steps"] <= n * (201 + h.MAX_TOKENS), v  # cached prompt tokens are not computed
+    # Cached prompt tokens are not computed. A count rebuilt from a float mean: 932 / 58 * 58 is
+    # 932.0000000000001 (CI, 0.32), hence round().
+    assert round(v["tokens_per_step"] * v["steps"]) <= n * (201 + h.MAX_TOKENS), v
     assert v["preemptions"] == 0 and v["ms_per_step"] > 0 and v["decode_ms"] > 0, v
 
 
