@@ -88,7 +88,8 @@
 #   STEP@SET runs STEP with engine set SET's site directory (PYTHONPATH=/tmp/sc-SET, e.g.
 #   correctness@vllm029: vLLM 0.29); STEP.N is STEP again under its own name (tables, work folder),
 #   so one step can be repeated in one session (hybrid-ro hybrid-ro.2; both: gemma4.2@vllm029).
-#   STEP@SET-REV runs it with an earlier commit's kvcached (scripts/gpu_pack_tree.sh REV).
+#   STEP@SET-REV runs it with an earlier commit's kvcached (scripts/gpu_pack_tree.sh REV; one that
+#   refuses the model says so in one line: KVCACHED_ALLOW_UNSUPPORTED=1 before the command reaches it).
 #   STEP-trace runs STEP with KVCACHED_TRACE=$OUT/trace-STEP, then prints its burst timelines
 #   (python -m kvcached.bench burst) to $OUT/STEP-burst.txt (three-trace, mixed-trace: issue 30).
 #   KVCACHED_VLLM_PYTHONPATH
@@ -140,9 +141,6 @@ for step in "${steps[@]}"; do
   t0=$(date +%s)
   base=${step%@*} && base=${base%.[0-9]*} && given_path=${PYTHONPATH-}
   [ "${step#*@}" != "$step" ] && export PYTHONPATH=/tmp/sc-${step#*@}
-  # An earlier commit's kvcached (STEP@SET-REV, scripts/gpu_pack_tree.sh) may refuse what this one
-  # serves (Gemma 3 on a GPU before 12-06): let it try, as --allow-unsupported does.
-  case "${step#*@}" in *-*) [ "${step#*@}" != "$step" ] && export KVCACHED_ALLOW_UNSUPPORTED=1 ;; esac
   traced=
   if [ "${base%-trace}" != "$base" ]; then
     base=${base%-trace} traced=$OUT/trace-$step
@@ -291,7 +289,6 @@ for step in "${steps[@]}"; do
        exit 2 ;;
   esac
   export PYTHONPATH=$given_path
-  case "${step#*@}" in *-*) [ "${step#*@}" != "$step" ] && unset KVCACHED_ALLOW_UNSUPPORTED ;; esac
   if [ -n "$traced" ]; then
     unset KVCACHED_TRACE
     python3 -m kvcached.bench burst --trace "$traced" > "$OUT/$step-burst.txt" 2>&1 || rc=1
