@@ -22,7 +22,7 @@ from __future__ import annotations
 import operator
 from typing import Callable, Dict, Iterable, List
 
-from kvcached.block_index import BlockIndex
+from kvcached.block_index import BlockIndex, Page
 from kvcached.errors import InvalidArgumentError, StateConsistencyError
 
 FREE = 0
@@ -103,6 +103,12 @@ class BlockLedger:
         page.pop()  # block 0: pop() yields the lowest id
         self.states[0] = NULL
         index.shelve(page)
+
+    def drop_null(self, index: BlockIndex) -> List[Page]:
+        """Block 0 is a free id of page 0 again (``BlockManager.release_null_page``); returns
+        the pages that emptied, page 0 among them (the caller releases it)."""
+        self.states[0] = FREE
+        return index.put([0])
 
     def free_all_on(self, index: BlockIndex) -> List[int]:
         """Marks every OUT or RESERVED block of the held pages FREE (not the null block); returns them."""

@@ -230,16 +230,78 @@ class BlockManager:
         if self._local:
             what = f"{self.num_blocks} blocks of {self.block_mem_size} bytes"
             check_tensors(self.group_id, self.num_layers, self.num_kv_buffers, self.mem_size, what)
-        if self._null_pending:
-            if not self._supply.take_page_zero():
-                return  # retried before the next page is acquired
-            self._ledger.hold_null(self._index)
-            self.null_block = [0]
-            self._null_pending = False
-            self._supply.changed()  # page 0 is held now
+        if self._null_pending and not self._take_null():
+            return  # retried before the next page is acquired
         if self._supply.want_prealloc:
             self.page_allocator.start_prealloc_thread()
         self._started = True
+
+    # ------------------------------------------------------ the null block's page
+    # Page 0 holds the null block (vLLM's block 0, SGLang's padding slot): mapped from the start,
+    # and kept while the instance works. An idle instance gives it back too (release_null_page);
+    # the next allocation maps it again before anything else (_alloc_after_null_release).
+
+    def _take_null(self) -> bool:
+        """Maps page 0 and holds block 0 on it: True, or False when memory is short."""
+        if self._started:
+            # Again after release_null_page: the allocator hands out its mapped reserve first
+            # and its lowest free id only then, so the reserve goes (the pre-map thread is stopped).
+            self.page_allocator.trim()
+        if not self._supply.take_page_zero(strict=not self._started):
+            return False
+        self._ledger.hold_null(self._index)
+        self.null_block = [0]
+        self._null_pending = False
+        self._supply.changed()  # page 0 is held now
+        if self._started and self._supply.want_prealloc:
+            self.page_allocator.start_prealloc_thread()
+        return True
+
+    def _put_null_back(self) -> None:
+        """Block 0 free again and page 0 released at once (the caller checked it holds nothing else)."""
+        if self._supply.want_prealloc:
+            self.page_allocator.stop_prealloc_thread()  # it would map page 0 again, into the reserve
+        self.null_block = None
+        self._null_pending = True
+        self._release.release(self._ledger.drop_null(self._index))
+        self._supply.changed()
+
+    def release_null_page(self) -> bool:
+        """Unmaps page 0, the null block's, when it is the last page this pool holds and holds
+        nothing but the null block (parked pages are released first): an idle instance's
+        last page, one page of every layer's K and V (128 MiB for an 8B model), which a peer
+        sharing the device budget may need. The next ``alloc`` maps it again before any other.
+
+        The caller's proof that no step in flight reads or writes the null block: the engine
+        is idle and its release fence drained (``ElasticInstance.give_back``). Returns whether
+        the page was released; ``KVCACHED_KEEP_NULL_PAGE=true`` keeps it (False).
+        """
+        with self._lock:
+            if self._closed or self.null_block is None or config.keep_null_page():
+                return False  # none held (none reserved, or released already)
+            self._release.release_parked()
+            page = self._held.get(0)
+            if page is None or len(self._held) != 1 or len(page) != page.cap - 1 or self._ledger.reserved:
+                return False  # a live block, a reserved id or a retired page is left
+            self._put_null_back()
+            return True
+
+    def _alloc_after_null_release(self, n: int) -> Optional[List[int]]:
+        """``_alloc`` after release_null_page: page 0 and the null block first, given back
+        again when the blocks cannot be had (a refused alloc changes nothing)."""
+        try:
+            if not self._take_null():
+                return None
+        except OutOfMemoryError:
+            return None
+        try:
+            out = self._alloc_blocks(n)
+        except BaseException:
+            self._put_null_back()
+            raise
+        if out is None:
+            self._put_null_back()
+        return out
 
     # ------------------------------------------------------------- alloc / free
 
@@ -284,6 +346,11 @@ class BlockManager:
         self._check_open()
         if not self._started:
             self._start()  # may take the null block: before counting free blocks
+        elif self._null_pending:
+            return self._alloc_after_null_release(n)
+        return self._alloc_blocks(n)
+
+    def _alloc_blocks(self, n: int) -> Optional[List[int]]:
         index, ledger = self._index, self._ledger
         from_reserved = min(n, len(ledger.reserved))
         rest = n - from_reserved

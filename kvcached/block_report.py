@@ -16,12 +16,12 @@ from typing import Any, Dict
 
 from kvcached import _C
 from kvcached.block_index import BlockIndex
-from kvcached.block_ledger import BlockLedger
+from kvcached.block_ledger import NULL, BlockLedger
 from kvcached.errors import StateConsistencyError
 from kvcached.page_release import PageRelease
 
 # The calls that change a manager's state (checked after each in sanity mode).
-CHANGING_CALLS = ("alloc", "free", "try_to_reserve", "free_reserved", "resize", "trim", "clear")
+CHANGING_CALLS = ("alloc", "free", "try_to_reserve", "free_reserved", "resize", "trim", "clear", "release_null_page")
 
 
 def stats(index: BlockIndex, ledger: BlockLedger, release: PageRelease, pa: Any) -> Dict[str, int]:
@@ -63,8 +63,10 @@ def check(manager: Any, index: BlockIndex, ledger: BlockLedger, release: PageRel
     I1-I5 of the block index (``BlockIndex.check``), L1-L4 of the ledger
     against it (``BlockLedger.check``), then: P1 the page allocator holds
     exactly the held pages in use and maps held + reserve pages; P2 every
-    parked page is held; P3 (the manager maps in this process: no ``mapper``)
-    the data plane maps as many pages as the allocator, every held page among them.
+    parked page is held; N1 block 0 is NULL on a held page 0 exactly while the
+    manager names a null block (``release_null_page`` gives it back); P3 (the
+    manager maps in this process: no ``mapper``) the data plane maps as many
+    pages as the allocator, every held page among them.
     """
 
     def need(ok: bool, what: str) -> None:
@@ -77,6 +79,10 @@ def check(manager: Any, index: BlockIndex, ledger: BlockLedger, release: PageRel
     need(inuse == len(index.held), f"P1 pages: the allocator has {inuse} in use, {len(index.held)} held")
     need(mapped == len(index.held) + reserve, f"P1 pages: {mapped} mapped != {len(index.held)} held + {reserve}")
     need(all(pid in index.held for pid in release.parked), "P2 parked: a parked page is not held")
+    if manager.null_block is not None:
+        need(ledger.states[0] == NULL and 0 in index.held, "N1 null: the null block is not held on a held page 0")
+    else:
+        need(ledger.states[0] != NULL, "N1 null: block 0 is NULL but the manager holds no null block")
     if manager.mapper is None:
         group = manager.group_id
         plane = _C.group_info(group)["mapped_pages"]

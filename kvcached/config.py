@@ -128,6 +128,14 @@ VARIABLES: Tuple[Var, ...] = (
         meaning="refill the reserve pool on a background thread",
     ),
     Var(
+        name="KVCACHED_KEEP_NULL_PAGE",
+        type="bool",
+        default="false",
+        meaning="`true` keeps the page of the null block (vLLM's block 0, SGLang's padding slot) mapped for "
+        "the engine's life; by default an idle give-back (a peer's want, a lowered limit) unmaps it too, "
+        "and the next allocation maps it first",
+    ),
+    Var(
         name="KVCACHED_CAPACITY_TTL_MS",
         type="int",
         default="10",
@@ -444,6 +452,10 @@ def max_reserved_pages() -> int:
 
 def page_prealloc_enabled() -> bool:
     return get_bool("KVCACHED_PAGE_PREALLOC_ENABLED", True)
+
+
+def keep_null_page() -> bool:
+    return get_bool("KVCACHED_KEEP_NULL_PAGE", False)
 
 
 def capacity_ttl_s() -> float:

@@ -137,14 +137,19 @@ class PageSupply:
             trace.end("map", t0, self.limits.name if self.limits is not None else "", pages=len(pids))
         return pids
 
-    def take_page_zero(self) -> bool:
-        """Page 0, the null block's: True when taken, False when memory is short (ask again later)."""
+    def take_page_zero(self, strict: bool = True) -> bool:
+        """Page 0, the null block's: True when taken, False when memory is short (ask again later).
+        Another page handed out instead is given back; ``strict``: then InvalidArgumentError
+        (at the start nothing else can hold page 0), else False (a reserve page whose unmap
+        was rolled back came first: the next try trims it again)."""
         try:
             pids = self.take(1)
         except OutOfMemoryError:
             return False
         if pids[0] != 0:
             self.allocator.free_pages(pids)
+            if not strict:
+                return False
             raise InvalidArgumentError(f"the null block needs page 0 first, but the page allocator gave page {pids[0]}")
         return True
 

@@ -20,7 +20,7 @@ two ways memory moves between instances sharing a device budget:
   ``release_memory_occupation`` drop the KV contents. Once the adapter has
   freed every block (the prefix cache too) and nothing runs, ``sleep()``
   releases every emptied page and caps every pool at 0, so nothing is mapped
-  but the null blocks' pages; ``wake()`` gives the pools their limits back and
+  but the null blocks' pages (an idle give-back releases those too); ``wake()`` gives the pools their limits back and
   pages are mapped on demand again. What the engine does with its weights is
   the engine's.
 """
@@ -168,14 +168,16 @@ class ElasticInstance:
 
     def give_back(self) -> int:
         """Idle, after the adapter evicted what it wanted to: releases every
-        emptied page (when no step is in flight), the mapped reserve and unused
-        budget. Returns the pages given back."""
+        emptied page and, when nothing else is left, the null block's (when no
+        step is in flight), the mapped reserve and unused budget. Returns the
+        pages given back."""
         t0 = trace.start()
         before = [p.mapped_pages() for p in self.pools]
-        if self.fence.in_flight <= 0:
+        drained = self.fence.in_flight <= 0
+        if drained:
             self.fence.idle()
         for p in self.pools:
-            p.give_back()
+            p.give_back(null_page=drained)
         returned = 0
         for p, b in zip(self.pools, before):
             n = b - p.mapped_pages()

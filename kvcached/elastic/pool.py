@@ -104,9 +104,13 @@ class ElasticPool:
 
     # ---- giving memory back -------------------------------------------------
 
-    def give_back(self) -> None:
-        """Returns what holds no block: the mapped reserve, parked pages and unused budget.
-        (Emptied pages a step may still read are the fence's, not this.)"""
+    def give_back(self, null_page: bool = False) -> None:
+        """Returns what holds no block: the mapped reserve, parked pages and unused budget;
+        with ``null_page`` (no step in flight), the null block's page too when nothing
+        else is left (``release_null_page``). (Emptied pages a step may still read are
+        the fence's, not this.)"""
+        if null_page:
+            self.manager.release_null_page()
         self.manager.trim()
         if self.limits is not None:
             self.limits.release_slack(0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import pytest
 
@@ -117,7 +118,6 @@ def test_a_watcher_poked_while_its_engine_is_busy_does_not_spin(host_plane):
     """A peer's poke stays set while the engine is busy (it may turn idle soon), and
     the watcher looks again every few milliseconds, not in a loop that holds a core."""
     import threading
-    import time
 
     m = _manager()
     inst = ElasticInstance("spin", [ElasticPool(m)])
@@ -185,6 +185,97 @@ def test_instance_sleep_leaves_only_the_null_blocks_page_and_wake_maps_on_demand
     m.free(again)
     inst.close()
     m.shutdown()
+
+
+def test_an_idle_give_back_releases_the_null_page_and_the_next_alloc_maps_it_first(host_plane, prefix, monkeypatch):
+    """An idle instance's last page is its null block's: given back too once nothing else is
+    left and no step is in flight, mapped again (page 0, block 0 held) by the next alloc."""
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "64M")
+    m = _manager(own_segment=True, pool_name=prefix + "n")
+    pool = ElasticPool(m)
+    inst = ElasticInstance(pool.name, [pool])
+    ids = m.alloc(12)  # 3 fresh pages + the null block's page
+    inst.fence.launched()
+    m.free(ids)
+    assert inst.give_back() == 0 and pool.mapped_pages() == 4  # a step in flight: retired, null kept
+    inst.fence.finished()  # the retired pages go
+    assert pool.mapped_pages() == 1 and m.null_block == [0]
+    assert inst.give_back() == 1 and pool.mapped_pages() == 0  # then the null block's page too
+    from kvcached.limits.records import list_records
+
+    rec = next(r for r in list_records() if r.name == pool.name)
+    assert m.null_block is None and rec.used == rec.prealloc == 0  # what kvctl list shows
+    m.check_invariants()
+    assert m.available_size() == m.logical_free_size() == 63  # every block but block 0
+    again = m.alloc(4)
+    assert again is not None and 0 not in again and m.null_block == [0]
+    assert pool.mapped_pages() == 2 and m.get_page_occupancy()[0] >= 1  # page 0 first, then one for the run
+    m.check_invariants()
+    assert inst.give_back() == 0 and m.null_block == [0]  # a live block: the null page stays
+    m.free(again)
+    monkeypatch.setenv("KVCACHED_KEEP_NULL_PAGE", "true")
+    assert inst.give_back() == 1 and pool.mapped_pages() == 1 and m.null_block == [0]  # kept
+    inst.close()
+    m.shutdown()
+
+
+def test_an_alloc_refused_after_the_null_page_went_changes_nothing(host_plane, prefix, monkeypatch):
+    """Page 0 comes back with the blocks asked for or not at all: a refused alloc (the limit
+    fits page 0 but not the run) leaves the null page given back, as any refused alloc."""
+    from kvcached import control
+
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "64M")
+    m = _manager(own_segment=True, pool_name=prefix + "r")
+    pool = ElasticPool(m)
+    inst = ElasticInstance(pool.name, [pool])
+    m.free(m.alloc(4))
+    assert inst.give_back() == 2 and pool.mapped_pages() == 0
+    r = control.set_instance_memory_limit(pool.bytes_per_page, name=pool.name, wait_s=5.0)
+    assert r.status == "applied", r
+    before = m.snapshot()
+    assert m.alloc(8) is None  # page 0 would fit the limit, the run's second page not
+    assert m.snapshot() == before and m.null_block is None and pool.mapped_pages() == 0
+    m.check_invariants()
+    got = m.alloc(3)  # page 0's own free blocks
+    assert got == [1, 2, 3] and m.null_block == [0] and pool.mapped_pages() == 1
+    m.check_invariants()
+    m.free(got)
+    inst.close()
+    m.shutdown()
+
+
+def test_the_null_page_comes_back_as_page_0_with_a_premapping_reserve(monkeypatch):
+    """With the pre-map thread on, the reserve would hand out another page first and the thread
+    would map page 0 into it: the release stops the thread, the next alloc trims and starts it."""
+    from kvcached import _C, vmm_ops
+
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "4")
+    _C.clear_faults()
+    vmm_ops.init_kvcached("cpu", page_size=P, contiguous_layout=False)
+    vmm_ops.create_kv_tensors(64 * 32 * KiB, 1, "cpu", num_layers=2, num_kv_buffers=1)
+    try:
+        m = _manager()
+        pool = ElasticPool(m)
+        inst = ElasticInstance("prealloc", [pool])
+        m.free(m.alloc(8))
+        inst.give_back()
+        assert m.null_block is None and m.page_allocator.get_num_reserved_pages() == 0
+        for _ in range(3):
+            got = m.alloc(5)
+            assert got is not None and 0 not in got and m.null_block == [0]
+            deadline = time.monotonic() + 10
+            while m.page_allocator.get_num_reserved_pages() < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the thread refills the reserve (P1 counts a page it is mapping as neither)
+            m.check_invariants()
+            m.free(got)
+            inst.give_back()
+            assert m.null_block is None and pool.mapped_pages() == 0
+            m.check_invariants()
+        inst.close()
+        m.shutdown()
+    finally:
+        vmm_ops.shutdown_kvcached()
 
 
 def test_a_pool_without_a_record_sleeps_on_its_own_cap(host_plane):

@@ -1,6 +1,6 @@
 """Property-based test of KVCacheManager against a simple model, over the
 real host backend (memfd pages, real mmap): random sequences of
-alloc/free/reserve/resize/trim/clear/limit/deferred release, with map and
+alloc/free/reserve/resize/trim/clear/limit/deferred release/null page release, with map and
 unmap failures injected at random points.
 
 After every step: no id is out twice, none is lost, the manager's pages and
@@ -176,6 +176,18 @@ class ManagerMachine(RuleBasedStateMachine):
         n = self.m.release_parked()
         assert self.m.stats()["parked_pages"] == 0
         assert n >= 0
+
+    @rule()
+    def release_null_page(self):
+        m = self.m
+        held = m.null_block is not None
+        live_pages = {pid for pid, n in m.get_page_occupancy().items() if n}
+        only = live_pages <= {0} and not self.live and not self.reserved and not m.snapshot()["retired"]
+        released = m.release_null_page()
+        # Released exactly when the null block is held and nothing else is (parked pages go first).
+        assert released == (held and only), (held, only)
+        if released:
+            assert m.null_block is None and m.page_allocator.get_num_inuse_pages() == 0
 
     @rule()
     def clear(self):
