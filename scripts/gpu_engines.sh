@@ -53,7 +53,9 @@
 #   overhead     vllm bench serve native vs kvcached (and a kvcached that keeps emptied pages
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
 #   three        three models, one budget vs a static split; TTFT and want -> give-back;
-#                three-margin: 6208M (6G and the idle peers' null pages), three-small: 3G
+#                three-margin: 6208M (6G and the idle peers' null pages), three-small: 3G,
+#                three-keep: 6G with KVCACHED_KEEP_NULL_PAGE=true (idle peers keep their null
+#                block's page, as before 12-06: the A/B of an idle give-back that releases it)
 #   router       three models behind `kvcached serve`: sleep when idle, wake on request
 #   borrow       a training job (1B-shaped, bf16, AdamW) borrows 40 GiB from a vLLM server between its
 #                bursts (torch_alloc_retry meets a real OOM first) vs a static split of 64 GiB
@@ -252,6 +254,8 @@ for step in "${steps[@]}"; do
     three-margin|three-small)
       [ "$base" = three-margin ] && kv=6208M || kv=3G
       run "$step" $proof/three_models.py --model "$small" --kv "$kv" --plot "$OUT/gpu_$step.png" ;;
+    three-keep) KVCACHED_KEEP_NULL_PAGE=true run "$step" $proof/three_models.py --model "$small" \
+      --plot "$OUT/gpu_$step.png" ;;
     router) run "$step" $proof/router_three.py --model "$small" --plot "$OUT/gpu_router_three.png" ;;
     borrow) run "$step" $proof/borrow_train.py --model "$small" --total "${KVCACHED_PROOF_TOTAL:-64G}" --borrow "${KVCACHED_PROOF_BORROW:-40G}" --plot "$OUT/gpu_borrow_train.png" ;;
     sglang-correctness) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \
@@ -285,7 +289,7 @@ for step in "${steps[@]}"; do
     sleep-engine|sleep-engine-stop)
       if [ "$base" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
       run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-fp8 mixed router-mixed sleep-engine sleep-engine-stop)" >&2
+    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-fp8 mixed router-mixed sleep-engine sleep-engine-stop)" >&2
        exit 2 ;;
   esac
   export PYTHONPATH=$given_path

@@ -40,9 +40,10 @@ def base_args(cpu: bool, max_model_len: int) -> List[str]:
 
 # kvcached settings a step gives its kvcached engines through this process's environment
 # (``KVCACHED_ZERO_PAGE=ro`` for the -ro steps; ``KVCACHED_ALLOW_UNSUPPORTED`` for an earlier
-# commit's kvcached): ``vs.engine_env`` starts every engine without this process's KVCACHED_*
-# variables, so these are passed on by name (before 12-06 they were not: the -ro steps ran rw).
-STEP_SETTINGS = ("KVCACHED_ZERO_PAGE", "KVCACHED_ALLOW_UNSUPPORTED")
+# commit's kvcached; ``KVCACHED_KEEP_NULL_PAGE`` for three-keep): ``vs.engine_env`` starts every
+# engine without this process's KVCACHED_* variables, so these are passed on by name (before
+# 12-06 they were not: the -ro steps ran rw).
+STEP_SETTINGS = ("KVCACHED_ZERO_PAGE", "KVCACHED_ALLOW_UNSUPPORTED", "KVCACHED_KEEP_NULL_PAGE")
 
 
 def engine_env(kvcached: bool, name: str, cpu: bool, budget_fraction: float, **extra: object) -> Dict[str, str]:
