@@ -2,7 +2,9 @@
 # The GPU engine proof (issue: vLLM on the H200 with kvcached), on any CUDA machine whose
 # python3 has vLLM and kvcached (on the lent H200: source scripts/gpu_device_install.sh first).
 #   suite        the test suite with the CUDA backend and the data-plane benchmarks
-#                (scripts/gpu_suite.sh --ignore=tests/engines), beside the other steps of its group
+#                (scripts/gpu_suite.sh --ignore=tests/engines), alone in its group: a test reads
+#                the device's used memory and the benchmarks time it (beside `model` on 12-06,
+#                test_two_instances_share_one_gpu saw the model step's 3 GiB)
 #   model        random-weight Llama-3-8B and Llama-3.2-1B shapes in bf16, drawn on the GPU,
 #                word-level tokenizer (kvcached.testing.tiny_model --preset), and a small
 #                DeepSeek-V2 (MLA) with the latent sizes GPU kernels take, a small

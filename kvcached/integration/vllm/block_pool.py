@@ -51,7 +51,7 @@ from typing import Any, Dict, Iterable, List
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvcached import trace
+from kvcached import config, trace
 from kvcached.elastic import GIVE_CHUNK_PAGES, IdleAction, cache_excess_tokens, give_chunks
 from kvcached.elastic.cache_bound import max_cached_tokens
 from kvcached.integration.vllm.backend import VllmBackend, take_pool_context
@@ -375,18 +375,25 @@ class ElasticBlockPool(BlockPool):
         self._evict(victims)
         return len(victims)
 
-    def _whole_pages(self, lru: List[KVCacheBlock], partial: bool) -> List[List[KVCacheBlock]]:
+    def _whole_pages(self, lru: List[KVCacheBlock], partial: bool, null_page: bool = False) -> List[List[KVCacheBlock]]:
         """The cached blocks of each page whose every live block is evictable (so the page
         empties), the page holding the oldest block first; with ``partial`` (part of the
-        cache goes) and a host tier, the pages it already holds first."""
+        cache goes) and a host tier, the pages it already holds first. With ``null_page``
+        (an idle give-back, which releases the null block's page once nothing else is left)
+        page 0 counts too when its cached blocks are all it holds beside the null block; it
+        comes last: its memory goes only with everything else's."""
         page_of = self.manager.geometry.page_of
         by_page: Dict[int, List[KVCacheBlock]] = {}
         for b in lru:
             by_page.setdefault(page_of(b.block_id), []).append(b)
         occupancy = self.manager.get_page_occupancy(list(by_page))
-        whole = [pid for pid, blocks in by_page.items() if len(blocks) == occupancy[pid]]
+        null = 0 if null_page and self.manager.null_block and not config.keep_null_page() else -1
+        whole = [pid for pid, blocks in by_page.items() if len(blocks) == occupancy[pid] - (pid == null)]
         if self.host_tier is not None and partial:
             whole = self.host_tier.order_pages({pid: by_page[pid] for pid in whole})
+        if null in whole:
+            whole.remove(null)
+            whole.append(null)
         return [by_page[pid] for pid in whole]
 
     def _evict(self, victims: List[KVCacheBlock], queued: bool = True) -> None:
@@ -406,7 +413,7 @@ class ElasticBlockPool(BlockPool):
         """Evicts every cached whole page for peers that want memory, in chunks
         (``give_chunks``: the pages they lack first), each chunk unmapped and its budget
         released before the next is evicted. The same memory goes as in one pass."""
-        pages = self._whole_pages(self.free_block_queue.get_all_free_blocks(), partial=True)
+        pages = self._whole_pages(self.free_block_queue.get_all_free_blocks(), partial=True, null_page=True)
         done = 0
         for size in give_chunks(self.backend.pool.pages_wanted_by_peers(), GIVE_CHUNK_PAGES):
             if done >= len(pages):

@@ -278,22 +278,29 @@ sys.stdin.read()
 """
 
 
-def test_an_idle_pool_gives_a_peer_the_pages_it_wants_first_then_the_rest(pool, monkeypatch, tmp_path):
+@pytest.mark.parametrize("keep_null_page", [False, True])
+def test_an_idle_pool_gives_a_peer_the_pages_it_wants_first_then_the_rest(pool, monkeypatch, tmp_path, keep_null_page):
     """A peer lacking one page: the idle pool evicts, unmaps and releases one page's
     budget before it evicts the rest of its cache (which it still gives: the same
-    memory as before, the wanting peer's part sooner)."""
+    memory as before, the wanting peer's part sooner). The null block's page goes last,
+    with the blocks cached beside the null block (KVCACHED_KEEP_NULL_PAGE: both stay)."""
     import subprocess
     import sys
 
     from kvcached import trace
     from kvcached.elastic import IdleAction
 
+    if keep_null_page:
+        monkeypatch.setenv("KVCACHED_KEEP_NULL_PAGE", "true")
     monkeypatch.setattr(pool, "_max_cached", None)  # the fixture's bound off: an unbounded cache
+    beside_null = pool.get_new_blocks(3)  # on page 0, beside the null block: the oldest cached blocks
     got = pool.get_new_blocks(32)  # 4 whole pages
-    for i, blk in enumerate(got):
+    assert {b.block_id // 8 for b in beside_null} == {0} and 0 not in {b.block_id // 8 for b in got}
+    for i, blk in enumerate(beside_null + got):
         _hash(pool, blk, b"w%d" % i)
+    pool.free_blocks(beside_null)
     pool.free_blocks(got)
-    assert pool.free_block_queue.num_free_blocks == 32 and len(_mapped(pool)) == 5
+    assert pool.free_block_queue.num_free_blocks == 35 and len(_mapped(pool)) == 5
     bpp = pool.backend.pool.bytes_per_page
     peer = subprocess.Popen(
         [sys.executable, "-c", _WANTING_PEER, f"kvt_wanting_{os.getpid()}", str(bpp)],
@@ -315,7 +322,15 @@ def test_an_idle_pool_gives_a_peer_the_pages_it_wants_first_then_the_rest(pool, 
         peer.wait(30)
     events = [(e["event"], e.get("blocks", e.get("pages"))) for e in trace.read(str(tmp_path / "trace"))]
     evicted = [(i, n) for i, (ev, n) in enumerate(events) if ev == "evicted"]
-    assert [n for _, n in evicted] == [8, 24], events  # the wanted page first, then the rest
+    # The wanted page first (not page 0, though its blocks are the oldest), then the rest.
+    assert [n for _, n in evicted] == ([8, 24] if keep_null_page else [8, 27]), events
     released = next(i for i, (ev, _) in enumerate(events) if ev == "grant_released")
     assert evicted[0][0] < released < evicted[1][0], events  # its budget went before the rest was evicted
-    assert pool.free_block_queue.num_free_blocks == 0 and _mapped(pool) == [0]  # all given, as before
+    if keep_null_page:
+        assert pool.free_block_queue.num_free_blocks == 3 and _mapped(pool) == [0]
+        return
+    # All given, and the null block's page too (nothing else left, nothing in flight).
+    assert pool.free_block_queue.num_free_blocks == 0 and _mapped(pool) == []
+    got = pool.get_new_blocks(2)
+    assert 0 not in [b.block_id for b in got] and _mapped(pool)[0] == 0  # page 0 comes back first
+    pool.free_blocks(got)
