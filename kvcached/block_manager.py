@@ -45,6 +45,11 @@ Contract (the model is vLLM's ``BlockPool``):
   counting the emptiest pages that could be handed out. It never promises a
   block that cannot be mapped, and it is a snapshot: another process may take
   the memory before the next ``alloc``, which then returns ``None``.
+* The null block (``reserve_null_block``) is never handed out nor freed. Its
+  page 0 stays mapped while anything else is held; ``release_null_page()``
+  (an idle instance, no step in flight) unmaps it when nothing else is left,
+  and the next ``alloc`` maps it again before any other page, or, refused,
+  leaves it unmapped (``_alloc_after_null_release``).
 
 All public methods are thread-safe (one lock, a ``kvcached.locks.TokenLock``:
 alloc and free enter it by a list pop, the rest by ``with``). The allocation
@@ -100,8 +105,9 @@ class BlockManager:
         num_layers: layers whose buffers are mapped together.
         num_kv_buffers: 2 for separate K and V, 1 for MLA / packed KV.
         group_id: the KV tensor group (hybrid models have several).
-        reserve_null_block: hold block 0 forever (SGLang's padding slot, vLLM's
-            null block); it is mapped as soon as the KV tensors exist.
+        reserve_null_block: hold block 0 (SGLang's padding slot, vLLM's null
+            block), never handed out nor freed; its page is mapped as soon as the
+            KV tensors exist, and unmapped only by ``release_null_page`` (idle).
         defer_physical_release: keep emptied pages mapped until
             ``release_retired_pages_through`` passes a marker captured after
             they emptied.

@@ -20,9 +20,9 @@ two ways memory moves between instances sharing a device budget:
   ``release_memory_occupation`` drop the KV contents. Once the adapter has
   freed every block (the prefix cache too) and nothing runs, ``sleep()``
   releases every emptied page and caps every pool at 0, so nothing is mapped
-  but the null blocks' pages (an idle give-back releases those too); ``wake()`` gives the pools their limits back and
-  pages are mapped on demand again. What the engine does with its weights is
-  the engine's.
+  but the null blocks' pages (which an idle give-back releases too); ``wake()``
+  gives the pools their limits back and pages are mapped on demand again. What
+  the engine does with its weights is the engine's.
 """
 
 from __future__ import annotations

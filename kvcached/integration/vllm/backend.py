@@ -170,7 +170,7 @@ class VllmBackend:
                 plan.physical_pages_per_logical_page(),
                 world_size=tp * pp,
                 pp_rank=-1,
-                reserve_null_block=True,  # vLLM's null block 0: always mapped, never freed
+                reserve_null_block=True,  # vLLM's null block 0: never freed; its page goes only idle
                 num_kv_buffers=1,
                 group_id=0,
                 pool_name=name,
