@@ -260,7 +260,8 @@ def main(argv: List[str] | None = None) -> int:
         "--control",
         action="store_true",
         help="also native-2, a second native engine (how far two native runs differ), native-small, "
-        "native with a pool of the limit's size (how far native differs from itself under that pressure), and "
+        "native with a pool of the limit's size (how far native differs from itself under that pressure), "
+        "native-small-2 (that again: how far it differs from itself with the same schedule), and "
         "native-dirty, native whose KV memory starts as noise (does the engine read what it did not write)",
     )
     sub = ap.add_subparsers(dest="cmd")
@@ -294,11 +295,13 @@ def main(argv: List[str] | None = None) -> int:
         ("kvcached-limit", True, True, limit, kv),
     ]
     if a.control:
-        # native-small: native with a pool of the limit's size, preempting and evicting too.
+        # native-small: native with a pool of the limit's size, preempting and evicting too;
+        # native-small-2: that again (does native under that pressure differ from itself?).
         # native-dirty: native whose KV memory starts as noise, not zeros (see _dirty_kv).
         engines += [
             ("native-2", False, False, None, kv),
             ("native-small", False, True, None, limit),
+            ("native-small-2", False, True, None, limit),
             ("native-dirty", False, False, None, kv),
         ]
     if a.only:
@@ -372,7 +375,7 @@ def main(argv: List[str] | None = None) -> int:
         f"\n{len(prompts)} prompts ({len(prompts) // 8 or 1} shared prefixes), {total} output tokens, "
         f"longest output {max(outs)}; KV {kv} each, limit {limit}"
     )
-    print(f"{'pair':<30} {'decides':>7} {'differ':>7} {'preempt':>8} {'prefix hit':>11} {'gen s':>7}  detail")
+    print(f"{'pair':<34} {'decides':>7} {'differ':>7} {'preempt':>8} {'prefix hit':>11} {'gen s':>7}  detail")
     rc = 0
     # Without native-bi (--no-batch-invariant runs), the limited engine is held against native.
     limited = "native-bi" if "native-bi" in res else "native"
@@ -386,6 +389,8 @@ def main(argv: List[str] | None = None) -> int:
         ("native", "native-2", False),
         ("native-2", "kvcached", False),  # when native differs from itself: which run kvcached matches
         (limited, "native-small", False),
+        ("native-small", "native-small-2", False),  # the limit pair's own noise (batch invariance holds?)
+        ("native-small-2", "kvcached-limit", False),
         ("native", "native-dirty", False),
     )
     for x, y, decides in pairs:
@@ -398,7 +403,7 @@ def main(argv: List[str] | None = None) -> int:
         hits_x = cx.get("vllm:prefix_cache_hits", 0) / max(1.0, cx.get("vllm:prefix_cache_queries", 0))
         sched = first_schedule_difference(*traces)
         print(
-            f"{x + ' vs ' + y:<30} {'yes' if decides else 'control':>7} {n:>7} "
+            f"{x + ' vs ' + y:<34} {'yes' if decides else 'control':>7} {n:>7} "
             f"{cy.get('vllm:num_preemptions', 0):>8.0f} {hits:>10.1%} "
             f"{res[y]['seconds']:>7.1f}  {where or 'identical'}; {sched} ({x}: {res[x]['seconds']:.1f} s, "
             f"preemptions {cx.get('vllm:num_preemptions', 0):.0f}, prefix hits {hits_x:.1%}; kvcached peak mapped "
