@@ -202,7 +202,6 @@ class BlockManager:
         pids = list(range((geo.num_blocks - 1) * B // P + 1))
         self._page_of: List[int] = [pids[b * B // P] for b in range(geo.num_blocks)]
         self.null_block: Optional[List[int]] = None
-        self._null_pending = self.reserve_null_block
         self._started = False
         self._closed = False
 
@@ -247,6 +246,11 @@ class BlockManager:
     # and kept while the instance works. An idle instance gives it back too (release_null_page);
     # the next allocation maps it again before anything else (_alloc_after_null_release).
 
+    @property
+    def _null_pending(self) -> bool:
+        """A null block is reserved but page 0 is not held (not taken yet, or released while idle)."""
+        return self.reserve_null_block and self.null_block is None
+
     def _take_null(self) -> bool:
         """Maps page 0 and holds block 0 on it: True, or False when memory is short."""
         if self._started:
@@ -257,7 +261,6 @@ class BlockManager:
             return False
         self._ledger.hold_null(self._index)
         self.null_block = [0]
-        self._null_pending = False
         self._supply.changed()  # page 0 is held now
         if self._started and self._supply.want_prealloc:
             self.page_allocator.start_prealloc_thread()
@@ -268,7 +271,6 @@ class BlockManager:
         if self._supply.want_prealloc:
             self.page_allocator.stop_prealloc_thread()  # it would map page 0 again, into the reserve
         self.null_block = None
-        self._null_pending = True
         self._release.release(self._ledger.drop_null(self._index))
         self._supply.changed()
 
