@@ -54,7 +54,8 @@
 #                with native-small (issue 29 item 4)
 #   overhead     vllm bench serve native vs kvcached (and a kvcached that keeps emptied pages
 #                mapped), paired rounds, up to saturation; map/unmap calls and their time
-#   three        three models, one budget vs a static split; TTFT and want -> give-back;
+#   three        three models, one budget vs a static split; TTFT and want -> give-back; 3 rounds
+#                of bursts on one start-up (KVCACHED_PROOF_THREE_ROUNDS), p99 per round;
 #                three-margin: 6208M (6G and the idle peers' null pages), three-small: 3G,
 #                three-keep: 6G with KVCACHED_KEEP_NULL_PAGE=true (idle peers keep their null
 #                block's page, as before 12-06: the A/B of an idle give-back that releases it)
@@ -123,6 +124,8 @@ both=(--vllm-path "$vllm_path" --sglang-path "$sglang_path")
 [ -n "${KVCACHED_VLLM_PYTHONPATH:-}" ] && export PYTHONPATH=$KVCACHED_VLLM_PYTHONPATH
 gdn='{"additional_config": {"gdn_prefill_backend": "triton"}}'
 fp8='{"kv_cache_dtype": "fp8_e4m3"}'
+# Rounds of the three-model steps on one start-up of their six servers (issue 30 item 3: 3+ runs).
+three_rounds=${KVCACHED_PROOF_THREE_ROUNDS:-3}
 rc=0
 # run STEP SCRIPT ARGS...: the step's script with its work folder, its table to $OUT/STEP.txt.
 run() {
@@ -252,15 +255,15 @@ for step in "${steps[@]}"; do
       for v in ${KVCACHED_PROOF_VARIANTS-keep:KVCACHED_MAX_RESERVED_PAGES=700}; do variants+=(--variant "$v"); done
       run "$step" $proof/overhead.py --model "$big" --kv 24G --inf-requests 256 --rates "${KVCACHED_PROOF_RATES:-8,32,inf}" \
         --rounds "${KVCACHED_PROOF_ROUNDS:-4}" --seconds 10 "${variants[@]}" ;;
-    three) run "$step" $proof/three_models.py --model "$small" --plot "$OUT/gpu_three_models.png" ;;
+    three) run "$step" $proof/three_models.py --model "$small" --rounds "$three_rounds" --plot "$OUT/gpu_three_models.png" ;;
     # three with the 64 MiB two idle peers' null-block pages hold added to the budget: at 6 GiB the
     # 192 prompts need it all, 3 waited (docs/GPU.md 12-05 23:51): does the p99 follow that margin?
     # three-small: a budget far under the burst (3G), where kvcached beat the split at p99.
     three-margin|three-small)
       [ "$base" = three-margin ] && kv=6208M || kv=3G
-      run "$step" $proof/three_models.py --model "$small" --kv "$kv" --plot "$OUT/gpu_$step.png" ;;
+      run "$step" $proof/three_models.py --model "$small" --kv "$kv" --rounds "$three_rounds" --plot "$OUT/gpu_$step.png" ;;
     three-keep) KVCACHED_KEEP_NULL_PAGE=true run "$step" $proof/three_models.py --model "$small" \
-      --plot "$OUT/gpu_$step.png" ;;
+      --rounds "$three_rounds" --plot "$OUT/gpu_$step.png" ;;
     router) run "$step" $proof/router_three.py --model "$small" --plot "$OUT/gpu_router_three.png" ;;
     borrow) run "$step" $proof/borrow_train.py --model "$small" --total "${KVCACHED_PROOF_TOTAL:-64G}" --borrow "${KVCACHED_PROOF_BORROW:-40G}" --plot "$OUT/gpu_borrow_train.png" ;;
     sglang-correctness) run_sglang "$step" $proof/sglang_correctness.py --model "$big" --prompts 200 --kv 22G \

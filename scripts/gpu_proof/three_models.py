@@ -2,7 +2,7 @@
 from one to the next; kvcached (one shared KV budget) vs a static split of the
 same memory.
 
-    python scripts/gpu_proof/three_models.py --model DIR --out DIR [--kv 6G] [--plot PNG] [--cpu]
+    python scripts/gpu_proof/three_models.py --model DIR --out DIR [--kv 6G] [--rounds 3] [--plot PNG] [--cpu]
 
 Six servers are resident at once: three with kvcached sharing ``--kv`` of KV
 (``KVCACHED_GPU_UTILIZATION`` set to that), three native with a third of it
@@ -11,7 +11,10 @@ idle), first through the kvcached trio, then the static one, so the two never
 compete for compute. Reports TTFT p50/p99 per model for both, how long a
 peer's want took to be served (from the first sample where the loaded
 instance wants memory to the first where an idle one has given some back),
-and plots mapped KV per kvcached instance over time.
+and plots mapped KV per kvcached instance over time. ``--rounds N`` runs both
+sequences N times with fresh prompts (no prefix hits across rounds) on the same
+six servers: N runs of the setting for one start-up (the servers' start is most
+of a round's device time), p50/p99 per round and over all rounds.
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ def burst(
     with ThreadPoolExecutor(n) as ex:
         list(ex.map(one, prompts))
     return ttfts, failed
+
+
+def _summary(ttfts: List[float], failed: int, seconds: float) -> Dict[str, float]:
+    return {
+        "p50_ttft_s": percentile(ttfts, 50),
+        "p99_ttft_s": percentile(ttfts, 99),
+        "failed": failed,
+        "seconds": seconds,
+    }
 
 
 def give_back_time(rec: RecordSampler, name: str, t0: float, t1: float) -> Optional[float]:
@@ -118,6 +130,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--kv", default=None, help="KV memory of the three together (default 6G; --cpu 24M)")
     ap.add_argument("--burst", type=int, default=None, help="requests per burst (default 192; --cpu 12)")
+    ap.add_argument("--rounds", type=int, default=1, help="both burst sequences this many times, fresh prompts each")
     ap.add_argument("--plot", default=None, help="PNG of mapped KV over time (default OUT/gpu_three_models.png)")
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
@@ -141,26 +154,36 @@ def main(argv: List[str] | None = None) -> int:
         rec = RecordSampler(list(labels), period=0.02)
         rec.start()
         time.sleep(1.0)
-        results: Dict[str, Dict[str, Dict[str, float]]] = {"kvcached": {}, "static": {}}
+        rounds: List[Dict[str, Dict[str, Dict[str, float]]]] = []
+        pooled: Dict[str, Dict[str, List[float]]] = {"kvcached": {}, "static": {}}
         phases: List[Tuple[str, float, float]] = []
-        for setup in ("kvcached", "static"):
-            for i, (m, srv) in enumerate(trio[setup].items()):
-                t0 = rec.now()
-                ttfts, failed = burst(srv, n, plen, gen, seed=10 + i)
-                if setup == "kvcached":
-                    phases.append((srv.name, t0, rec.now()))
-                results[setup][m] = {
-                    "p50_ttft_s": percentile(ttfts, 50),
-                    "p99_ttft_s": percentile(ttfts, 99),
-                    "failed": failed,
-                    "seconds": rec.now() - t0,
-                }
-                log(
-                    f"{setup} burst at {m}: {n} requests, p50 TTFT {percentile(ttfts, 50):.2f} s, "
-                    f"p99 {percentile(ttfts, 99):.2f} s, {failed} failed, {rec.now() - t0:.1f} s"
-                )
-                time.sleep(3.0)  # idle between bursts
+        for r in range(a.rounds):
+            rounds.append({"kvcached": {}, "static": {}})
+            for setup in ("kvcached", "static"):
+                for i, (m, srv) in enumerate(trio[setup].items()):
+                    t0 = rec.now()
+                    ttfts, failed = burst(srv, n, plen, gen, seed=10 + i + 100 * r)
+                    if setup == "kvcached":
+                        phases.append((srv.name, t0, rec.now()))
+                    rounds[r][setup][m] = _summary(ttfts, failed, rec.now() - t0)
+                    pooled[setup].setdefault(m, []).extend(ttfts)
+                    log(
+                        f"round {r + 1}: {setup} burst at {m}: {n} requests, p50 TTFT {percentile(ttfts, 50):.2f} s, "
+                        f"p99 {percentile(ttfts, 99):.2f} s, {failed} failed, {rec.now() - t0:.1f} s"
+                    )
+                    time.sleep(3.0)  # idle between bursts
         rec.stop()
+        results = {
+            setup: {
+                m: _summary(
+                    pooled[setup][m],
+                    sum(rd[setup][m]["failed"] for rd in rounds),
+                    sum(rd[setup][m]["seconds"] for rd in rounds) / len(rounds),
+                )
+                for m in "ABC"
+            }
+            for setup in ("kvcached", "static")
+        }
         give = give_back_times(rec, phases)
         peaks = {labels[nm]: rec.peak(nm) for nm in labels}
     finally:
@@ -170,6 +193,7 @@ def main(argv: List[str] | None = None) -> int:
         os.path.join(a.out, "three_models.json"),
         {
             "results": results,
+            "rounds": rounds,
             "give_back_s": give,
             "peaks": peaks,
             "series": {labels[k]: [tuple(p) for p in v] for k, v in rec.series.items()},
@@ -187,6 +211,13 @@ def main(argv: List[str] | None = None) -> int:
             f"{m:<6} {k['p50_ttft_s']:>12.2f}s {k['p99_ttft_s']:>7.2f}s {st['p50_ttft_s']:>10.2f}s "
             f"{st['p99_ttft_s']:>7.2f}s {format_size(peaks[m]):>12}"
         )
+    if a.rounds > 1:
+        print(f"over {a.rounds} rounds ({n * a.rounds} requests a model a setup); p99 per round, kvcached / static:")
+        for m in "ABC":
+            pairs = [(rd["kvcached"][m]["p99_ttft_s"], rd["static"][m]["p99_ttft_s"]) for rd in rounds]
+            lower = sum(k < st for k, st in pairs)
+            cells = ", ".join(f"{k:.2f} / {st:.2f}" for k, st in pairs)
+            print(f"  {m}: {cells}  (kvcached lower in {lower} of {a.rounds})")
     if give:
         print(f"want -> memory given back by an idle peer: {', '.join(f'{x * 1000:.0f} ms' for x in give)}")
     failed = sum(r["failed"] for d in results.values() for r in d.values())
