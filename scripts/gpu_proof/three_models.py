@@ -134,6 +134,8 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="PNG of mapped KV over time (default OUT/gpu_three_models.png)")
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error(f"--rounds {a.rounds}: give 1 or more")
     os.makedirs(a.out, exist_ok=True)
     kv = parse_size(a.kv or ("24M" if a.cpu else "6G"))
     n = a.burst or (12 if a.cpu else 192)
