@@ -26,7 +26,8 @@
 #   mla          the MLA model: native vs kvcached, and a second native as the control
 #   mla-limit    the MLA model with batch-invariant kernels (vLLM 0.26 has them for MLA) and a
 #                kvcached limit small enough that preemption and eviction run all the time; the
-#                control is native with a pool that small (MLA's recompute is not bit-equal)
+#                control is native with a pool that small (MLA's recompute is not bit-equal), of
+#                kvcached-limit's very block count, on 18 MiB pages every block divides (see the step)
 #   hybrid       the same as mla for a small Qwen3-Next (gated-delta-net state and attention KV in
 #                one elastic pool), and native-dirty (native whose KV memory starts as noise, as a
 #                fresh kvcached page does); kvcached refuses it on a GPU until it matches native, so
@@ -39,7 +40,8 @@
 #   hybrid-real  a Qwen3-Next with the real model's layer shapes (float32 state: a block larger than
 #                the 2 MiB page) served without KVCACHED_PAGE_SIZE: the page is chosen from the spec
 #   hybrid-limit the Qwen3-Next under a small limit, bfloat16 with float32 state (vLLM's GDN prefill
-#                takes no float32 input and has no batch-invariant kernels: the control decides)
+#                takes no float32 input and has no batch-invariant kernels: the control decides;
+#                18 MiB pages, as mla-limit)
 #   gemma3       the same as mla for a small Gemma 3 (sliding-window + global layers: vLLM's
 #                several KV cache groups in one pool, window blocks leaving as outputs of up to
 #                2,400 tokens cross the 512-token window); gemma3-limit: the same under a 512M limit
@@ -199,8 +201,15 @@ for step in "${steps[@]}"; do
     offload-idle) run "$step" $proof/offload_idle.py --model "$big" --plot "$OUT/gpu_offload_idle.png" \
       --only "${KVCACHED_PROOF_ARMS:-native,recompute,offload}" ;;
     mla) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --only native,kvcached,native-2 --control ;;
-    mla-limit) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --limit 256M \
-      --only native-bi,kvcached-limit,native-small --control ;;
+    # A limit run decides only where kvcached-limit and native-small make the same decisions. MLA's
+    # 1,152-byte rows (x block tokens) and the tiny Qwen3-Next's 288 KiB blocks do not divide a 2 MiB
+    # page: some pages hold fewer blocks, and under a limit kvcached's free count is the worst case of
+    # which pages map next, so the schedules differed from step 0 (12-04, 12-05). An 18 MiB page (9 x
+    # 2 MiB) divides both, 2016M is whole pages of both models (36 MiB of the hybrid's 2 tensors,
+    # 72 MiB of MLA's 4 layers), and the native-small pools take kvcached-limit's block count under
+    # its limit: the same count at every step. native-small-2: does native repeat itself there.
+    mla-limit) KVCACHED_PAGE_SIZE=18874368 run "$step" $proof/correctness.py --model "$mla" --prompts 200 \
+      --kv 2016M --limit 216M --only native-bi,kvcached-limit,native-small,native-small-2 --control ;;
     # vLLM 0.26 picks FlashInfer's GDN prefill on SM90, whose CuTe DSL kernel this image lacks:
     # Triton's. One GDN state block per running sequence, which CUDA graph capture wants for every
     # one of max_num_seqs: a 256 MiB pool holds 455 (tiny model), 4 GiB 992 real-shape ones: 256.
@@ -216,8 +225,8 @@ for step in "${steps[@]}"; do
       run "$step" $proof/correctness.py --model "$hybrid_real" \
       --allow-unsupported --prompts 100 --kv 4G --only native,kvcached,native-2 --control \
       --mamba-ssm-cache-dtype float32 --engine-args "${gdn%\}}, \"max_num_seqs\": 256}" ;;
-    hybrid-limit) run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported --prompts 200 \
-      --kv 2G --limit 256M --only native,kvcached-limit,native-small --control --no-batch-invariant \
+    hybrid-limit) KVCACHED_PAGE_SIZE=18874368 run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported \
+      --prompts 200 --kv 2016M --limit 252M --only native,kvcached-limit,native-small,native-small-2 --control --no-batch-invariant \
       --mamba-ssm-cache-dtype float32 --engine-args "${gdn%\}}, \"max_num_seqs\": 256}" ;;
     # Issue 29 item 4. Gemma 3 / 4 (GPU shapes): 200 prompts allocate ~1.8 / ~2.4 GiB of blocks over the
     # run (window blocks leave and stay cached), 4G each: nothing evicted; the limits about a third of

@@ -173,7 +173,8 @@ def _refused_everywhere(key: str, name: str, feature: str, spec: str) -> Family:
 _HYBRID_GPU_WHY = (
     "on the H200 (vLLM 0.26) a Qwen3-Next gave other greedy tokens than without kvcached in 29, 0 and 19 "
     "of 200 sequences in three runs, each with native's very schedule, not yet explained (0 of 200 in seven "
-    "runs since; under a limit native's own recompute differs, so no limit run can decide yet: "
+    "runs since; no limit run has decided yet: blocks that do not divide the page made kvcached's and "
+    "native's free counts, and so their schedules, differ from step 0: "
     f"{_GPU_DOC})"
 )
 FAMILIES: Tuple[Family, ...] = (

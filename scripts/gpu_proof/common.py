@@ -40,10 +40,11 @@ def base_args(cpu: bool, max_model_len: int) -> List[str]:
 
 # kvcached settings a step gives its kvcached engines through this process's environment
 # (``KVCACHED_ZERO_PAGE=ro`` for the -ro steps; ``KVCACHED_ALLOW_UNSUPPORTED`` for an earlier
-# commit's kvcached; ``KVCACHED_KEEP_NULL_PAGE`` for three-keep): ``vs.engine_env`` starts every
+# commit's kvcached; ``KVCACHED_KEEP_NULL_PAGE`` for three-keep; ``KVCACHED_PAGE_SIZE`` for the
+# limit steps whose blocks must divide the page): ``vs.engine_env`` starts every
 # engine without this process's KVCACHED_* variables, so these are passed on by name (before
 # 12-06 they were not: the -ro steps ran rw).
-STEP_SETTINGS = ("KVCACHED_ZERO_PAGE", "KVCACHED_ALLOW_UNSUPPORTED", "KVCACHED_KEEP_NULL_PAGE")
+STEP_SETTINGS = ("KVCACHED_ZERO_PAGE", "KVCACHED_ALLOW_UNSUPPORTED", "KVCACHED_KEEP_NULL_PAGE", "KVCACHED_PAGE_SIZE")
 
 
 def engine_env(kvcached: bool, name: str, cpu: bool, budget_fraction: float, **extra: object) -> Dict[str, str]:
@@ -187,9 +188,12 @@ def kvctl(*args: str) -> str:
 
 
 def write_json(path: str, obj: object) -> None:
+    """Written whole or not at all: another process may be waiting for the file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 def percentile(xs: Sequence[float], q: float) -> Optional[float]:

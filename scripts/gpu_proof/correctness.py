@@ -70,6 +70,11 @@ def trace_schedule(path: str) -> None:
     from vllm.v1.core.sched import scheduler as sched_mod
 
     orig = sched_mod.Scheduler.schedule
+    orig_init = sched_mod.Scheduler.__init__
+
+    def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        orig_init(self, *args, **kwargs)
+        _SCHEDULERS.append(self)
 
     def schedule(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         out = orig(self, *args, **kwargs)
@@ -83,6 +88,68 @@ def trace_schedule(path: str) -> None:
         return out
 
     sched_mod.Scheduler.schedule = schedule
+    sched_mod.Scheduler.__init__ = init
+
+
+# The engine core's schedulers in this process (trace_schedule keeps them).
+_SCHEDULERS: List[Any] = []
+
+
+def pool_blocks() -> Dict[str, Any]:
+    """The blocks this kvcached engine's pool offers now, the null block included: what a
+    native pool must have to make the same decisions (its free count is this less the null
+    block), and whether that holds at every step. kvcached never hands out a block that
+    straddles a page boundary; where blocks do not divide the page, pages hold different
+    numbers of blocks, and the free count under a limit is the worst case of which pages map
+    next: it moves as pages map, and no native pool of fixed size can follow it."""
+    import math
+
+    time.sleep(0.25)  # kvcached's pool keeps its count up to 0.1 s: read one taken after the limit
+    pool = _SCHEDULERS[-1].kv_cache_manager.block_pool
+    geo = pool.manager.geometry
+    return {
+        "blocks": pool.get_num_free_blocks() + 1,
+        "page": geo.page_size,
+        "block": geo.block_mem_size,
+        "caps": [min(geo.caps), max(geo.caps)],  # blocks a page holds: the fewest, the most
+        "exact_page": geo.page_size * geo.block_mem_size // math.gcd(geo.page_size, geo.block_mem_size),
+    }
+
+
+def describe_blocks(b: Dict[str, Any]) -> str:
+    """One line on what ``pool_blocks`` found."""
+    head = f"native-small pools: {b['blocks']} blocks, kvcached-limit's under its limit"
+    lo, hi = b["caps"]
+    if lo == hi:
+        return f"{head} (every {b['page']} B page holds {hi} blocks: the same count at every step)"
+    return (
+        f"{head}, but its {b['page']} B pages hold {lo} to {hi} blocks of {b['block']} B: under a limit its free "
+        "count is the worst case of which pages map next and moves as they do, so the schedules may differ; "
+        f"KVCACHED_PAGE_SIZE={b['exact_page']} and a --kv of whole pages make every page hold the same"
+    )
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped by the parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_for_blocks(path: str, pid: int, timeout: float = 1800.0) -> int:
+    """The block count kvcached-limit wrote to ``path`` (process ``pid``); bounded."""
+    end = time.monotonic() + timeout
+    while True:
+        if os.path.exists(path):
+            with open(path) as f:
+                return int(json.load(f)["blocks"])
+        if not _running(pid):
+            raise SystemExit(f"kvcached-limit (pid {pid}) ended without writing its pool's size to {path}: see its log")
+        if time.monotonic() > end:
+            raise SystemExit(f"kvcached-limit did not write its pool's size to {path} in {timeout:.0f} s")
+        time.sleep(1.0)
 
 
 def first_schedule_difference(x: str, y: str) -> str:
@@ -137,6 +204,10 @@ def child(a: argparse.Namespace) -> int:
     )
     if a.mamba_ssm_cache_dtype:
         kw["mamba_ssm_cache_dtype"] = a.mamba_ssm_cache_dtype
+    if a.blocks_from:
+        # native-small: kvcached-limit's block count, not the limit's bytes (same decisions).
+        kw["num_gpu_blocks_override"] = wait_for_blocks(a.blocks_from, a.blocks_pid)
+        log(f"{a.label}: a pool of {kw['num_gpu_blocks_override']} blocks (kvcached-limit's under its limit)")
     kw.update(json.loads(a.engine_args or "{}"))
     if a.cpu:
         kw["enforce_eager"] = True
@@ -149,6 +220,10 @@ def child(a: argparse.Namespace) -> int:
     if a.limit:
         log(f"{a.label}: kvctl limit {a.name} {a.limit}")
         kvctl("limit", a.name, a.limit)
+        if a.blocks_out:
+            blocks = pool_blocks()
+            write_json(a.blocks_out, blocks)
+            log(f"{a.label}: {describe_blocks(blocks)}")
     sampler = None
     if os.environ.get("ENABLE_KVCACHED"):
         from kvcached.testing.record_sampler import RecordSampler
@@ -270,6 +345,9 @@ def main(argv: List[str] | None = None) -> int:
         c.add_argument(k, required=True)
     c.add_argument("--kv-bytes", type=int, required=True)
     c.add_argument("--child-limit", dest="child_limit", default=None)
+    c.add_argument("--blocks-out", default=None, help="write the pool's blocks under the limit here")
+    c.add_argument("--blocks-from", default=None, help="take the pool's block count from this file")
+    c.add_argument("--blocks-pid", type=int, default=0, help="the process writing --blocks-from")
     a = ap.parse_args(argv)
     a.max_model_len = a.max_model_len or (512 if a.cpu else 4096)
     if a.cmd == "child":
@@ -295,7 +373,9 @@ def main(argv: List[str] | None = None) -> int:
         ("kvcached-limit", True, True, limit, kv),
     ]
     if a.control:
-        # native-small: native with a pool of the limit's size, preempting and evicting too;
+        # native-small: native with a pool of the limit's size, preempting and evicting too
+        # (beside kvcached-limit: its very block count, so both make the same decisions where
+        # blocks straddling kvcached's pages make it fewer than the limit's bytes hold);
         # native-small-2: that again (does native under that pressure differ from itself?).
         # native-dirty: native whose KV memory starts as noise, not zeros (see _dirty_kv).
         engines += [
@@ -308,6 +388,10 @@ def main(argv: List[str] | None = None) -> int:
         keep = set(a.only.split(","))
         engines = [e for e in engines if e[0] in keep]
     procs: Dict[str, Tuple[subprocess.Popen, Any]] = {}
+    # kvcached-limit's block count under its limit, which native-small's pools take.
+    blocks_file = os.path.join(a.out, "kvcached-limit.blocks.json")
+    if os.path.exists(blocks_file):
+        os.remove(blocks_file)
     done: Dict[str, int] = {}
     t0 = time.monotonic()
 
@@ -351,6 +435,10 @@ def main(argv: List[str] | None = None) -> int:
         cmd += ["child", "--prompts-file", pf, "--label", label, "--name", name, "--kv-bytes", str(parse_size(size))]
         if lim:
             cmd += ["--child-limit", lim]
+        if label == "kvcached-limit":
+            cmd += ["--blocks-out", blocks_file]
+        elif label.startswith("native-small") and "kvcached-limit" in procs:
+            cmd += ["--blocks-from", blocks_file, "--blocks-pid", str(procs["kvcached-limit"][0].pid)]
         logf = open(os.path.join(a.out, f"{label}.log"), "w")
         procs[label] = (subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT), logf)
         log(f"started {label} (kvcached={kvc}, batch-invariant={bi}, limit={lim})")
@@ -375,6 +463,9 @@ def main(argv: List[str] | None = None) -> int:
         f"\n{len(prompts)} prompts ({len(prompts) // 8 or 1} shared prefixes), {total} output tokens, "
         f"longest output {max(outs)}; KV {kv} each, limit {limit}"
     )
+    if os.path.exists(blocks_file):
+        with open(blocks_file) as f:
+            print(describe_blocks(json.load(f)))
     print(f"{'pair':<34} {'decides':>7} {'differ':>7} {'preempt':>8} {'prefix hit':>11} {'gen s':>7}  detail")
     rc = 0
     # Without native-bi (--no-batch-invariant runs), the limited engine is held against native.

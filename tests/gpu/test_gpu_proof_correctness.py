@@ -1,0 +1,66 @@
+"""The hand-off of the GPU proof's correctness step (scripts/gpu_proof/correctness.py), checked
+without a GPU: the native-small pools take kvcached-limit's block count under its limit, which
+its process writes once started. The wait for it is bounded and ends at once, with one line,
+when that process ends without writing (a zombie its parent has not reaped included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from repo_paths import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu_proof"))
+correctness = pytest.importorskip("correctness")
+
+
+def _writer(path: str, after_s: float, blocks: int) -> subprocess.Popen:
+    code = f"import json, time; time.sleep({after_s}); json.dump({{'blocks': {blocks}}}, open({path!r}, 'w'))"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_native_small_waits_for_the_count_kvcached_limit_writes(tmp_path):
+    path = str(tmp_path / "kvcached-limit.blocks.json")
+    p = _writer(path, 1.5, 448)
+    try:
+        assert correctness.wait_for_blocks(path, p.pid, timeout=30) == 448
+    finally:
+        p.wait()
+
+
+def test_a_count_written_by_an_engine_that_has_ended_is_still_taken(tmp_path):
+    # --at-once 1: kvcached-limit ran to its end before native-small started.
+    path = str(tmp_path / "kvcached-limit.blocks.json")
+    with open(path, "w") as f:
+        json.dump({"blocks": 7}, f)
+    assert correctness.wait_for_blocks(path, 2**22 + 1, timeout=5) == 7
+
+
+def test_an_engine_that_ended_without_a_count_stops_the_wait_at_once(tmp_path):
+    path = str(tmp_path / "kvcached-limit.blocks.json")
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while correctness._running(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not correctness._running(p.pid)  # ended, not reaped yet: a zombie
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match=r"ended without writing its pool's size .*see its log"):
+        correctness.wait_for_blocks(path, p.pid, timeout=600)
+    assert time.monotonic() - t0 < 5
+    p.wait()
+    assert not correctness._running(p.pid)
+
+
+def test_the_wait_is_bounded(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(SystemExit, match="did not write its pool's size"):
+            correctness.wait_for_blocks(str(tmp_path / "never.json"), p.pid, timeout=1.5)
+    finally:
+        p.kill()
+        p.wait()
