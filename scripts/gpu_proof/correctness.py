@@ -38,7 +38,7 @@ import random
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import engine_env, kvctl, log, write_json  # noqa: E402
@@ -118,6 +118,8 @@ def pool_blocks() -> Dict[str, Any]:
 
 def describe_blocks(b: Dict[str, Any]) -> str:
     """One line on what ``pool_blocks`` found."""
+    if "error" in b:
+        return f"native-small pools: the limit's bytes (kvcached-limit's block count unread: {b['error']})"
     head = f"native-small pools: {b['blocks']} blocks, kvcached-limit's under its limit"
     lo, hi = b["caps"]
     if lo == hi:
@@ -138,13 +140,15 @@ def _running(pid: int) -> bool:
         return False
 
 
-def wait_for_blocks(path: str, pid: int, timeout: float = 1800.0) -> int:
-    """The block count kvcached-limit wrote to ``path`` (process ``pid``); bounded."""
+def wait_for_blocks(path: str, pid: int, timeout: float = 1800.0) -> Optional[int]:
+    """The block count kvcached-limit wrote to ``path`` (process ``pid``), None where it could
+    not read one; bounded."""
     end = time.monotonic() + timeout
     while True:
         if os.path.exists(path):
             with open(path) as f:
-                return int(json.load(f)["blocks"])
+                blocks = json.load(f).get("blocks")
+            return None if blocks is None else int(blocks)
         if not _running(pid):
             raise SystemExit(f"kvcached-limit (pid {pid}) ended without writing its pool's size to {path}: see its log")
         if time.monotonic() > end:
@@ -206,8 +210,12 @@ def child(a: argparse.Namespace) -> int:
         kw["mamba_ssm_cache_dtype"] = a.mamba_ssm_cache_dtype
     if a.blocks_from:
         # native-small: kvcached-limit's block count, not the limit's bytes (same decisions).
-        kw["num_gpu_blocks_override"] = wait_for_blocks(a.blocks_from, a.blocks_pid)
-        log(f"{a.label}: a pool of {kw['num_gpu_blocks_override']} blocks (kvcached-limit's under its limit)")
+        blocks = wait_for_blocks(a.blocks_from, a.blocks_pid)
+        if blocks is not None:
+            kw["num_gpu_blocks_override"] = blocks
+            log(f"{a.label}: a pool of {blocks} blocks (kvcached-limit's under its limit)")
+        else:
+            log(f"{a.label}: a pool of the limit's bytes (kvcached-limit could not count its blocks)")
     kw.update(json.loads(a.engine_args or "{}"))
     if a.cpu:
         kw["enforce_eager"] = True
@@ -221,7 +229,10 @@ def child(a: argparse.Namespace) -> int:
         log(f"{a.label}: kvctl limit {a.name} {a.limit}")
         kvctl("limit", a.name, a.limit)
         if a.blocks_out:
-            blocks = pool_blocks()
+            try:
+                blocks = pool_blocks()
+            except Exception as e:  # a pool of another shape: native-small keeps the limit's bytes
+                blocks = {"error": f"{type(e).__name__}: {e}"}
             write_json(a.blocks_out, blocks)
             log(f"{a.label}: {describe_blocks(blocks)}")
     sampler = None

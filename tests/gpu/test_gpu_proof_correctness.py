@@ -64,3 +64,21 @@ def test_the_wait_is_bounded(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_count_kvcached_limit_could_not_read_leaves_the_limits_bytes(tmp_path):
+    path = str(tmp_path / "kvcached-limit.blocks.json")
+    with open(path, "w") as f:
+        json.dump({"error": "AttributeError: no geometry"}, f)
+    assert correctness.wait_for_blocks(path, 2**22 + 1, timeout=5) is None
+    assert "the limit's bytes" in correctness.describe_blocks({"error": "AttributeError: no geometry"})
+
+
+def test_the_line_says_whether_every_page_holds_the_same_blocks():
+    same = correctness.describe_blocks({"blocks": 96, "page": 18 << 20, "block": 384 << 10, "caps": [48, 48]})
+    assert "every 18874368 B page holds 48 blocks" in same
+    # 384 KiB blocks on 2 MiB pages: 5 or 4 a page (the straddling ones never handed out).
+    uneven = correctness.describe_blocks(
+        {"blocks": 25, "page": 2 << 20, "block": 384 << 10, "caps": [4, 5], "exact_page": 6 << 20}
+    )
+    assert "hold 4 to 5 blocks" in uneven and "KVCACHED_PAGE_SIZE=6291456" in uneven
