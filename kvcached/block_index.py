@@ -17,6 +17,10 @@ Structures:
 * ``unheld_caps[c]``: pages within the target that are not held, by block
   capacity (``available_size`` counts the emptiest ones the allocator could
   hand out); ``unheld_version`` changes whenever it does.
+* ``tail``: the buffer's last page when it holds fewer blocks than a page can
+  (else -1). The allocator hands out its reserve, then free pages lowest id
+  first, so a free tail comes last: ``mappable_blocks`` leaves it out of the
+  worst case until every unheld page would be taken.
 
 A page is *open* while its id is below ``target_pages`` (the resize target);
 a closed page hands out nothing and is released once it drains.
@@ -40,7 +44,7 @@ manager (under its lock) and tests of this module may change them.
 from __future__ import annotations
 
 import operator
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from kvcached._C import StateConsistencyError
 from kvcached.block_geometry import BlockGeometry
@@ -73,7 +77,9 @@ class BlockIndex:
         self.target_pages = geometry.num_pages
         self.unheld_caps: Dict[int, int] = {}
         self.unheld_version = 0
-        self._mappable_cache: Tuple[int, int, int] = (-1, -1, 0)  # (pages, version, blocks)
+        last = geometry.num_pages - 1
+        self.tail = last if self.caps[last] < geometry.max_blocks_per_page else -1
+        self._mappable_cache: Tuple[int, int, int, int] = (-1, -1, 0, 0)  # (pages, version, tail left out, blocks)
         self.recount_unheld()
 
     # ------------------------------------------------------------ hot path
@@ -309,14 +315,28 @@ class BlockIndex:
         """Blocks on the unheld pages within the target."""
         return sum(cap * cnt for cap, cnt in self.unheld_caps.items())
 
-    def mappable_blocks(self, pages: int) -> int:
-        """Blocks on ``pages`` unheld pages, counting the ones with the fewest blocks (worst case)."""
-        cached_pages, version, blocks = self._mappable_cache
-        if cached_pages == pages and version == self.unheld_version:
+    def mappable_blocks(self, pages: int, is_reserved: Optional[Callable[[int], bool]] = None) -> int:
+        """Blocks on the ``pages`` unheld pages an allocation could map next, counting the
+        ones with the fewest blocks (worst case), but for ``tail``: free (``is_reserved``
+        says it is not in the reserve) it comes after every other unheld page, so it counts
+        only when all of them would be taken. Without ``is_reserved`` it counts as any page."""
+        tail = self.tail
+        skip = 0  # the tail's capacity, when the tail is left out
+        if (
+            tail >= 0
+            and is_reserved is not None
+            and tail < self.target_pages
+            and tail not in self.held
+            and pages < sum(self.unheld_caps.values())
+            and not is_reserved(tail)
+        ):
+            skip = self.caps[tail]
+        cached_pages, version, cached_skip, blocks = self._mappable_cache
+        if cached_pages == pages and version == self.unheld_version and cached_skip == skip:
             return blocks
         blocks, left = 0, pages
         for cap in sorted(self.unheld_caps):
-            cnt = self.unheld_caps[cap]
+            cnt = self.unheld_caps[cap] - (cap == skip)
             if cnt <= 0:
                 continue
             take = cnt if cnt < left else left
@@ -324,7 +344,7 @@ class BlockIndex:
             left -= take
             if not left:
                 break
-        self._mappable_cache = (pages, self.unheld_version, blocks)
+        self._mappable_cache = (pages, self.unheld_version, skip, blocks)
         return blocks
 
     # ---------------------------------------------------------- invariants

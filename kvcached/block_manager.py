@@ -510,7 +510,9 @@ class BlockManager:
 
     def _mappable_blocks(self) -> int:
         """Blocks on the pages an allocation could map now (the caller holds the lock)."""
-        return self._index.mappable_blocks(self._supply.mappable_pages(self._release.version))
+        return self._index.mappable_blocks(
+            self._supply.mappable_pages(self._release.version), self._supply.allocator.is_page_reserved
+        )
 
     def logical_free_size(self) -> int:
         """Blocks not handed out within the resize target, ignoring memory limits.

@@ -496,6 +496,7 @@ PYBIND11_MODULE(_C, m) {
       .def("get_num_free_pages", &PageAllocator::num_free_pages)
       .def("get_num_inuse_pages", &PageAllocator::num_inuse_pages)
       .def("get_num_reserved_pages", &PageAllocator::num_reserved_pages)
+      .def("is_page_reserved", &PageAllocator::is_reserved, py::arg("page_id"))
       .def("get_num_total_pages", &PageAllocator::num_total_pages)
       .def("get_num_virtual_pages", &PageAllocator::num_virtual_pages)
       .def("get_num_mapped_pages", &PageAllocator::num_mapped_pages)

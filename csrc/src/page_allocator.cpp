@@ -399,6 +399,10 @@ size_t PageAllocator::num_reserved_pages() const {
   std::lock_guard<std::mutex> g(mu_);
   return reserved_.size() + stranded_.size();
 }
+bool PageAllocator::is_reserved(int64_t id) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return id >= 0 && static_cast<size_t>(id) < num_virtual_pages_ && state_[id] == State::Reserved;
+}
 size_t PageAllocator::num_mapped_pages() const {
   std::lock_guard<std::mutex> g(mu_);
   return mapped_;

@@ -111,7 +111,9 @@ def pool_blocks() -> Dict[str, Any]:
         "blocks": pool.get_num_free_blocks() + 1,
         "page": geo.page_size,
         "block": geo.block_mem_size,
-        "caps": [min(geo.caps), max(geo.caps)],  # blocks a page holds: the fewest, the most
+        # Blocks a page holds, the fewest and the most; the buffer's last page is left out (it is
+        # mapped last, and counted so since 12-06).
+        "caps": [min(geo.caps[:-1] or geo.caps), max(geo.caps)],
         "exact_page": geo.page_size * geo.block_mem_size // math.gcd(geo.page_size, geo.block_mem_size),
     }
 
@@ -127,7 +129,7 @@ def describe_blocks(b: Dict[str, Any]) -> str:
     return (
         f"{head}, but its {b['page']} B pages hold {lo} to {hi} blocks of {b['block']} B: under a limit its free "
         "count is the worst case of which pages map next and moves as they do, so the schedules may differ; "
-        f"KVCACHED_PAGE_SIZE={b['exact_page']} and a --kv of whole pages make every page hold the same"
+        f"KVCACHED_PAGE_SIZE={b['exact_page']} makes every page hold the same"
     )
 
 

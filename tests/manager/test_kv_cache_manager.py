@@ -274,10 +274,38 @@ def test_partial_last_page_is_counted_exactly(make):
     assert m.geometry.num_pages == 4 and m.geometry.caps[-1] == 3
     assert m.available_size() == 27
     m.set_mem_limit(1 * m.bytes_per_page)
-    assert m.available_size() == 3  # the worst page C++ could hand out holds 3
-    got = m.alloc(3)
-    assert got is not None
+    # The allocator hands out the lowest free page first: page 0, 8 blocks, not the last's 3
+    # (counted as the next page until 12-06, so under a limit an engine saw fewer than it had).
+    assert m.available_size() == 8
+    got = m.alloc(8)
+    assert got is not None and page_of(m, got) == [0] and m.available_size() == 0
     m.free(got)
+    m.set_mem_limit(3 * m.bytes_per_page)
+    assert m.available_size() == 24
+    m.set_mem_limit(4 * m.bytes_per_page)  # every page: the last one comes too
+    assert m.available_size() == 27
+    got = m.alloc(27)
+    assert got is not None and page_of(m, got) == [0, 1, 2, 3]
+    m.free(got)
+    check_invariants(m)
+
+
+def test_a_partial_last_page_in_the_reserve_counts_as_the_next_page(make):
+    """A reserved page is handed out before any free one: a last page that was freed into
+    the reserve is counted as it comes (worst case), and the count holds what alloc gives."""
+    m = make(per_page=8, num_blocks=8 * 4 + 3, max_reserved=2)  # caps 8, 8, 8, 8, 3
+    ids = m.alloc(35)
+    by_page = {p: [b for b in ids if m.get_page_id(b) == p] for p in range(5)}
+    for p in (4, 3, 2):  # the reserve keeps pages 4 and 3; page 2 is unmapped, free
+        m.free(by_page[p])
+    pa = m.page_allocator
+    assert pa.is_page_reserved(4) and pa.is_page_reserved(3) and not pa.is_page_reserved(2)
+    m.set_mem_limit(4 * m.bytes_per_page)  # mapped: 2 held + 2 reserved: the reserve only
+    assert m.available_size() == 8 + 3
+    got = m.alloc(11)
+    assert got is not None and page_of(m, got) == [3, 4]
+    m.free(got + by_page[0] + by_page[1])
+    check_invariants(m)
 
 
 # ----------------------------------------------------------------- rollback

@@ -88,6 +88,9 @@ class PageAllocator {
   size_t num_free_pages() const;      // allocatable now: reserve (and pages being pre-mapped) + free within target and limit
   size_t num_inuse_pages() const;
   size_t num_reserved_pages() const;  // mapped and unused (reserve and stranded)
+  // Whether page `id` is in the reserve: alloc_pages hands the reserve out before any free
+  // page, and free pages lowest id first (what available_size's count relies on).
+  bool is_reserved(int64_t id) const;
   size_t num_mapped_pages() const;    // reserved + in use + in flight
   size_t num_quarantined_pages() const;
   int64_t get_page_id(int64_t block_id, int64_t block_mem_size) const;
