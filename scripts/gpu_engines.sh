@@ -15,7 +15,8 @@
 #                nothing is evicted, and a second native engine as the control
 #   correctness-limit
 #                the same with batch-invariant kernels and a kvcached limit a third of the
-#                load's need: preemption and eviction all the time (the release-fence test)
+#                load's need: preemption and eviction all the time (the release-fence test); the
+#                control that decides is native-held (kvcached-limit's tensor size and block count)
 #   offload      correctness with vLLM's KV offloading on every engine (--kv-offloading-size 16):
 #                stores to host under kvcached's fence; offload-limit: the same under the
 #                correctness-limit pressure, evicted prefixes loaded back from host (issue 32)
@@ -26,8 +27,8 @@
 #   mla          the MLA model: native vs kvcached, and a second native as the control
 #   mla-limit    the MLA model with batch-invariant kernels (vLLM 0.26 has them for MLA) and a
 #                kvcached limit small enough that preemption and eviction run all the time; the
-#                control is native with a pool that small (MLA's recompute is not bit-equal), of
-#                kvcached-limit's very block count, on 18 MiB pages every block divides (see the step)
+#                control is native with kvcached-limit's very block count and tensor size (native-held;
+#                MLA's recompute is not bit-equal), on 18 MiB pages every block divides (see the step)
 #   hybrid       the same as mla for a small Qwen3-Next (gated-delta-net state and attention KV in
 #                one elastic pool), and native-dirty (native whose KV memory starts as noise, as a
 #                fresh kvcached page does); kvcached refuses it on a GPU until it matches native, so
@@ -41,7 +42,7 @@
 #                the 2 MiB page) served without KVCACHED_PAGE_SIZE: the page is chosen from the spec
 #   hybrid-limit the Qwen3-Next under a small limit, bfloat16 with float32 state (vLLM's GDN prefill
 #                takes no float32 input and has no batch-invariant kernels: the control decides;
-#                18 MiB pages, as mla-limit)
+#                34 MiB pages, which its 272 KiB blocks divide)
 #   gemma3       the same as mla for a small Gemma 3 (sliding-window + global layers: vLLM's
 #                several KV cache groups in one pool, window blocks leaving as outputs of up to
 #                2,400 tokens cross the 512-token window); gemma3-limit: the same under a 512M limit
@@ -183,33 +184,34 @@ for step in "${steps[@]}"; do
     # 200 prompts need 18.9 GiB of KV if nothing is ever evicted: 22G each.
     correctness) run "$step" $proof/correctness.py --model "$big" --prompts 200 --kv 22G \
       --only native,kvcached,native-2 --control --at-once "$(fits 42)" ;;
-    # native-small-2: on 12-06 (vLLM 0.29, H100) kvcached-limit and native-small differed in 188 of
-    # 200 with one schedule while native-bi and native-small differed from token 3: is native-small
-    # stable against itself there?
+    # native-held decides under a limit: kvcached-limit's block count out of tensors of kvcached-limit's
+    # size. On 12-06 (vLLM 0.29, H100) native-small (tensors of the limit's size) gave tokens other than
+    # kvcached-limit's from step 1 with one schedule, and other than native-small-2's in none: the
+    # tensors' size changes the numbers there, not the pool.
     correctness-limit) run "$step" $proof/correctness.py --model "$big" --prompts 200 \
-      --only native-bi,kvcached-limit,native-small,native-small-2 --control --at-once "$(fits 30)" ;;
+      --only native-bi,kvcached-limit,native-held,native-small --control --at-once "$(fits 30)" ;;
     # vLLM's native KV offloading (--kv-offloading-size) on every engine: the copies are fenced
     # (kvcached/integration/vllm/offload.py). offload: no pressure (stores only); offload-limit: the
     # kvcached limit a third of the need, so evicted prefixes come back from the host tier (loads).
     offload) run "$step" $proof/correctness.py --model "$big" --prompts 200 --kv 22G \
       --only native,kvcached,native-2 --control --at-once "$(fits 42)" --engine-args '{"kv_offloading_size": 16}' ;;
     offload-limit) run "$step" $proof/correctness.py --model "$big" --prompts 200 \
-      --only native-bi,kvcached-limit,native-small --control --at-once "$(fits 30)" \
+      --only native-bi,kvcached-limit,native-held,native-small --control --at-once "$(fits 30)" \
       --engine-args '{"kv_offloading_size": 16}' ;;
     # KVCACHED_PROOF_ARMS: some of native,recompute,offload (one device call each if they take long;
     # the arms measured earlier with the same settings are kept in the table and the plot).
     offload-idle) run "$step" $proof/offload_idle.py --model "$big" --plot "$OUT/gpu_offload_idle.png" \
       --only "${KVCACHED_PROOF_ARMS:-native,recompute,offload}" ;;
     mla) run "$step" $proof/correctness.py --model "$mla" --prompts 200 --kv 2G --only native,kvcached,native-2 --control ;;
-    # A limit run decides only where kvcached-limit and native-small make the same decisions. MLA's
-    # 1,152-byte rows (x block tokens) and the tiny Qwen3-Next's 288 KiB blocks do not divide a 2 MiB
-    # page: some pages hold fewer blocks, and under a limit kvcached's free count is the worst case of
-    # which pages map next, so the schedules differed from step 0 (12-04, 12-05). An 18 MiB page (9 x
-    # 2 MiB) divides both, 2016M is whole pages of both models (36 MiB of the hybrid's 2 tensors,
-    # 72 MiB of MLA's 4 layers), and the native-small pools take kvcached-limit's block count under
-    # its limit: the same count at every step. native-small-2: does native repeat itself there.
+    # A limit run decides only where kvcached-limit and its native control make the same decisions on
+    # tensors of the same size (native-held). MLA's 1,152-byte rows (x block tokens) and the tiny
+    # Qwen3-Next's 272 KiB blocks do not divide a 2 MiB page: some pages hold fewer blocks, and under
+    # a limit kvcached's free count is the worst case of which pages map next, so the schedules
+    # differed from step 0 (12-04, 12-05). MLA: an 18 MiB page (9 x 2 MiB), 2016M (whole pages of its
+    # 4 layers) gave one schedule on 12-06 (native-small: 65 of 200 other tokens from step 5, none
+    # after a recompute; native-bi, tensors of kvcached's size: 3, each after one).
     mla-limit) KVCACHED_PAGE_SIZE=18874368 run "$step" $proof/correctness.py --model "$mla" --prompts 200 \
-      --kv 2016M --limit 216M --only native-bi,kvcached-limit,native-small,native-small-2 --control ;;
+      --kv 2016M --limit 216M --only native-bi,kvcached-limit,native-held,native-small --control ;;
     # vLLM 0.26 picks FlashInfer's GDN prefill on SM90, whose CuTe DSL kernel this image lacks:
     # Triton's. One GDN state block per running sequence, which CUDA graph capture wants for every
     # one of max_num_seqs: a 256 MiB pool holds 455 (tiny model), 4 GiB 992 real-shape ones: 256.
@@ -225,8 +227,11 @@ for step in "${steps[@]}"; do
       run "$step" $proof/correctness.py --model "$hybrid_real" \
       --allow-unsupported --prompts 100 --kv 4G --only native,kvcached,native-2 --control \
       --mamba-ssm-cache-dtype float32 --engine-args "${gdn%\}}, \"max_num_seqs\": 256}" ;;
-    hybrid-limit) KVCACHED_PAGE_SIZE=18874368 run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported \
-      --prompts 200 --kv 2016M --limit 252M --only native,kvcached-limit,native-small,native-small-2 --control --no-batch-invariant \
+    # The hybrid: 34 MiB pages (17 x 2 MiB: 128 blocks of 272 KiB; 18 MiB held 66 or 67 on 12-06),
+    # 2040M (30 pages of each of its 2 tensors), 272M (4 pages each: 512 blocks, above the 256
+    # sequences CUDA graphs want a state block for).
+    hybrid-limit) KVCACHED_PAGE_SIZE=35651584 run "$step" $proof/correctness.py --model "$hybrid" --allow-unsupported \
+      --prompts 200 --kv 2040M --limit 272M --only native,kvcached-limit,native-held,native-small --control --no-batch-invariant \
       --mamba-ssm-cache-dtype float32 --engine-args "${gdn%\}}, \"max_num_seqs\": 256}" ;;
     # Issue 29 item 4. Gemma 3 / 4 (GPU shapes): 200 prompts allocate ~1.8 / ~2.4 GiB of blocks over the
     # run (window blocks leave and stay cached), 4G each: nothing evicted; the limits about a third of
@@ -239,7 +244,7 @@ for step in "${steps[@]}"; do
     gemma3-limit|gemma4-limit)
       [ "$base" = gemma3-limit ] && model=$gemma3 lim=512M || model=$gemma4 lim=768M
       run "$step" $proof/correctness.py --model "$model" --prompts 200 --kv 4G --limit "$lim" \
-        --only native-bi,kvcached-limit,native-small --control ;;
+        --only native-bi,kvcached-limit,native-held,native-small --control ;;
     # Which gemma3-limit's difference needs (175 of 200 with native-small's very schedule, H100 12-05; one
     # sequence already at its first token, before any block was freed): a read-only zero page (a kernel
     # writing where nothing is mapped faults), no CUDA graphs, no async scheduling, or a limit that never
@@ -253,11 +258,11 @@ for step in "${steps[@]}"; do
         *-loose) lim=4G ;;
       esac
       KVCACHED_ZERO_PAGE=$zp run "$step" $proof/correctness.py --model "$gemma3" --prompts 200 \
-        --kv 4G --limit "$lim" --only native-bi,kvcached-limit,native-small --control ${knob:+--engine-args "$knob"} ;;
+        --kv 4G --limit "$lim" --only native-bi,kvcached-limit,native-held,native-small --control ${knob:+--engine-args "$knob"} ;;
     fp8) run "$step" $proof/correctness.py --model "$small" --prompts 200 --kv 3G \
       --only native,kvcached,native-2 --control --engine-args "$fp8" ;;
     fp8-limit) run "$step" $proof/correctness.py --model "$small" --prompts 200 --kv 3G --limit 1G \
-      --only native-bi,kvcached-limit,native-small --control --engine-args "$fp8" ;;
+      --only native-bi,kvcached-limit,native-held,native-small --control --engine-args "$fp8" ;;
     # KVCACHED_PROOF_VARIANTS: more kvcached servers measured beside the two (empty: none).
     overhead)
       variants=()

@@ -173,8 +173,8 @@ def _refused_everywhere(key: str, name: str, feature: str, spec: str) -> Family:
 _HYBRID_GPU_WHY = (
     "on the H200 (vLLM 0.26) a Qwen3-Next gave other greedy tokens than without kvcached in 29, 0 and 19 "
     "of 200 sequences in three runs, each with native's very schedule, not yet explained (0 of 200 in seven "
-    "runs since; no limit run has decided yet: blocks that do not divide the page made kvcached's and "
-    "native's free counts, and so their schedules, differ from step 0: "
+    "runs since; no limit run has decided yet: its 272 KiB blocks do not divide the page (2 or 18 MiB), so "
+    "kvcached's and native's free counts, and so their schedules, differed from step 0: "
     f"{_GPU_DOC})"
 )
 FAMILIES: Tuple[Family, ...] = (
@@ -290,8 +290,10 @@ FAMILIES: Tuple[Family, ...] = (
             "200 prompts, outputs to 2,386 tokens, identical with and without kvcached, as with a native "
             "control; under a 256 MiB limit (116 preemptions) 89 of 200 differ from unlimited native, as do 90 "
             "of native's own with a pool that small (88 the same sequences; MLA's recompute is not bit-equal), "
-            "and kvcached and that native differ in 9; 0.29 (H100): 0 of 200 differ from a second native, which "
-            "matches kvcached, while the first native run differs from both in 93 (native's own noise)",
+            "and kvcached and that native differ in 9; on 18 MiB pages (216 MiB limit, the same 116 preemptions) "
+            "3 of 200 differ from unlimited native, each after a recompute; 0.29 (H100): 0 of 200 differ from a "
+            "second native, which matches kvcached, while the first native run differs from both in 93 (native's "
+            "own noise)",
         ),
         sglang_cpu=classes(
             "MLA pool layout equals SGLang's (`test_pools_allocators.py`); SGLang's CPU build cannot run a "

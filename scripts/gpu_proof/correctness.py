@@ -16,8 +16,9 @@ defaults: CUDA graphs, async scheduling, prefix caching):
 
 Prompts: groups sharing prefixes, mixed lengths, outputs up to past 2,000
 tokens for some. Prints a table with every pair; exits 1 when a pair that decides
-differs (native vs kvcached; under a limit kvcached-limit vs native-small, and vs
-native-bi where batch invariance holds); the other pairs are controls.
+differs (native vs kvcached; under a limit kvcached-limit vs native-held, or
+native-small where native-held did not run, and vs native-bi where batch
+invariance holds); the other pairs are controls.
 
 Each engine core runs in its child's process, so every request is queued
 before the first step and the schedule does not depend on arrival timing.
@@ -114,15 +115,40 @@ def pool_blocks() -> Dict[str, Any]:
         # Blocks a page holds, the fewest and the most; the buffer's last page is left out (it is
         # mapped last, and counted so since 12-06).
         "caps": [min(geo.caps[:-1] or geo.caps), max(geo.caps)],
-        "exact_page": geo.page_size * geo.block_mem_size // math.gcd(geo.page_size, geo.block_mem_size),
+        # The smallest page (a multiple of the 2 MiB granularity) that whole blocks fill.
+        "exact_page": _GRANULE * geo.block_mem_size // math.gcd(_GRANULE, geo.block_mem_size),
     }
+
+
+# The driver's mapping granularity on the GPUs we run: every KVCACHED_PAGE_SIZE is a multiple.
+_GRANULE = 2 << 20
+
+
+def hold_blocks(pool_blocks: int) -> int:
+    """native-held: take blocks out of this native engine's free queue, the highest ids first,
+    until it offers what a pool of ``pool_blocks`` does (the null block apart), and hold them for
+    the whole run. Its KV tensors keep their size (``--kv``, as kvcached-limit's buffer), so it
+    makes kvcached-limit's decisions on tensors of kvcached-limit's shape: on vLLM 0.29 (H100) and
+    for MLA, native engines with the same schedule but tensors of other sizes gave other tokens
+    from step 1 on (12-06), so native-small alone cannot decide. Returns the blocks held."""
+    pool = _SCHEDULERS[-1].kv_cache_manager.block_pool
+    extra = pool.get_num_free_blocks() - (pool_blocks - 1)
+    held = 0
+    for block in reversed(pool.blocks):
+        if held >= extra:
+            break
+        if block.ref_cnt == 0 and not getattr(block, "is_null", False) and block.block_hash is None:
+            pool.free_block_queue.remove(block)
+            block.ref_cnt = 1  # never freed: the engine cannot hand it out or evict it
+            held += 1
+    return held
 
 
 def describe_blocks(b: Dict[str, Any]) -> str:
     """One line on what ``pool_blocks`` found."""
     if "error" in b:
         return f"native-small pools: the limit's bytes (kvcached-limit's block count unread: {b['error']})"
-    head = f"native-small pools: {b['blocks']} blocks, kvcached-limit's under its limit"
+    head = f"native-small/-held pools: {b['blocks']} blocks, kvcached-limit's under its limit"
     lo, hi = b["caps"]
     if lo == hi:
         return f"{head} (every {b['page']} B page holds {hi} blocks: the same count at every step)"
@@ -210,20 +236,27 @@ def child(a: argparse.Namespace) -> int:
     )
     if a.mamba_ssm_cache_dtype:
         kw["mamba_ssm_cache_dtype"] = a.mamba_ssm_cache_dtype
+    blocks = None
     if a.blocks_from:
-        # native-small: kvcached-limit's block count, not the limit's bytes (same decisions).
+        # native-small: kvcached-limit's block count, not the limit's bytes (same decisions);
+        # native-held (--hold): that count out of tensors of --kv's size, held after start-up.
         blocks = wait_for_blocks(a.blocks_from, a.blocks_pid)
-        if blocks is not None:
+        if blocks is None:
+            log(f"{a.label}: a pool of the limit's bytes (kvcached-limit could not count its blocks)")
+        elif not a.hold:
             kw["num_gpu_blocks_override"] = blocks
             log(f"{a.label}: a pool of {blocks} blocks (kvcached-limit's under its limit)")
-        else:
-            log(f"{a.label}: a pool of the limit's bytes (kvcached-limit could not count its blocks)")
     kw.update(json.loads(a.engine_args or "{}"))
     if a.cpu:
         kw["enforce_eager"] = True
     else:
         kw["gpu_memory_utilization"] = 0.2  # only the start-up check reads it: four engines share the device
     llm = LLM(**kw)
+    if a.hold:
+        if blocks is None:
+            raise SystemExit(f"{a.label}: no block count to hold the pool to (kvcached-limit's is unread): see its log")
+        held = hold_blocks(blocks)
+        log(f"{a.label}: {held} blocks held, {blocks} left (kvcached-limit's count) in tensors of {a.kv_bytes} B")
     if a.label == "native-dirty":
         filled = sum(llm.collective_rpc(_dirty_kv))
         log(f"{a.label}: {filled / (1 << 20):.0f} MiB of KV views filled with noise")
@@ -286,6 +319,51 @@ def prefill_chunks(path: str) -> Dict[int, List[int]]:
     return chunks
 
 
+def token_steps(path: str) -> Dict[int, List[Tuple[int, bool]]]:
+    """Per request, the steps of the trace at ``path`` that produced one of its tokens, in order,
+    each with whether a recompute (a multi-token chunk after its first decode) came before it. A
+    chunk produces a token when the request's next entry is a decode or it has none (a request
+    preempted right after a chunk's token is counted one token late: rare, and only later)."""
+    entries: Dict[int, List[Tuple[int, int]]] = {}
+    with open(path) as f:
+        for step, line in enumerate(f):
+            for req, n in json.loads(line)[1]:
+                entries.setdefault(req, []).append((step, n))
+    out: Dict[int, List[Tuple[int, bool]]] = {}
+    for req, e in entries.items():
+        produced: List[Tuple[int, bool]] = []
+        decoded = recomputed = False
+        for k, (step, n) in enumerate(e):
+            recomputed |= decoded and n > 1
+            decoded |= n == 1
+            if n == 1 or k + 1 == len(e) or e[k + 1][1] == 1:
+                produced.append((step, recomputed))
+        out[req] = produced
+    return out
+
+
+def where_tokens_differ(x: List[List[int]], y: List[List[int]], sched: str) -> str:
+    """When the differing sequences of ``x`` and ``y`` first differ, by ``sched``'s steps (the trace
+    of ``y``; with one schedule, both): the earliest step, and how many first differ before any
+    recompute of theirs. Differences from the first steps, before anything was freed, evicted or
+    recomputed, are numbers (kernels, tensors), not blocks handed out or unmapped."""
+    steps = token_steps(sched)
+    first: List[Tuple[int, bool]] = []
+    for i, (p, q) in enumerate(zip(x, y)):
+        if p == q:
+            continue
+        j = next((k for k, (u, v) in enumerate(zip(p, q)) if u != v), min(len(p), len(q)))
+        produced = steps.get(i, [])
+        if j < len(produced):
+            first.append(produced[j])
+    if not first:
+        return ""
+    return (
+        f"; first differ from step {min(s for s, _ in first)}, "
+        f"{sum(not r for _, r in first)} of {len(first)} before a recompute of theirs"
+    )
+
+
 def compare(x: List[List[int]], y: List[List[int]], scheds: Tuple[str, str] | None = None) -> Tuple[int, str]:
     """(number of sequences that differ, where the first one differs; with the schedule
     traces of both runs, how many of those were prefilled in other chunks)."""
@@ -304,6 +382,7 @@ def compare(x: List[List[int]], y: List[List[int]], scheds: Tuple[str, str] | No
         # A backend whose prefill over cached context is not bit-equal to one pass (MLA
         # up-projects the cached latent) gives such sequences other numbers, kvcached or not.
         where += f"; {split} of them prefilled in other chunks (recompute, prefix hit), as were {every} of all {len(x)}"
+        where += where_tokens_differ(x, y, scheds[1])
     return len(bad), where
 
 
@@ -349,7 +428,8 @@ def main(argv: List[str] | None = None) -> int:
         action="store_true",
         help="also native-2, a second native engine (how far two native runs differ), native-small, "
         "native with a pool of the limit's size (how far native differs from itself under that pressure), "
-        "native-small-2 (that again: how far it differs from itself with the same schedule), and "
+        "native-small-2 (that again: how far it differs from itself with the same schedule), native-held "
+        "(native with kvcached-limit's tensors and block count: the pair that decides under a limit), and "
         "native-dirty, native whose KV memory starts as noise (does the engine read what it did not write)",
     )
     sub = ap.add_subparsers(dest="cmd")
@@ -361,6 +441,7 @@ def main(argv: List[str] | None = None) -> int:
     c.add_argument("--blocks-out", default=None, help="write the pool's blocks under the limit here")
     c.add_argument("--blocks-from", default=None, help="take the pool's block count from this file")
     c.add_argument("--blocks-pid", type=int, default=0, help="the process writing --blocks-from")
+    c.add_argument("--hold", action="store_true", help="tensors of --kv-bytes; hold blocks to --blocks-from's count")
     a = ap.parse_args(argv)
     a.max_model_len = a.max_model_len or (512 if a.cpu else 4096)
     if a.cmd == "child":
@@ -390,11 +471,13 @@ def main(argv: List[str] | None = None) -> int:
         # (beside kvcached-limit: its very block count, so both make the same decisions where
         # blocks straddling kvcached's pages make it fewer than the limit's bytes hold);
         # native-small-2: that again (does native under that pressure differ from itself?).
+        # native-held: tensors of --kv's size (kvcached-limit's shape), the same block count (hold_blocks).
         # native-dirty: native whose KV memory starts as noise, not zeros (see _dirty_kv).
         engines += [
             ("native-2", False, False, None, kv),
             ("native-small", False, True, None, limit),
             ("native-small-2", False, True, None, limit),
+            ("native-held", False, True, None, kv),
             ("native-dirty", False, False, None, kv),
         ]
     if a.only:
@@ -450,8 +533,9 @@ def main(argv: List[str] | None = None) -> int:
             cmd += ["--child-limit", lim]
         if label == "kvcached-limit":
             cmd += ["--blocks-out", blocks_file]
-        elif label.startswith("native-small") and "kvcached-limit" in procs:
+        elif label.startswith(("native-small", "native-held")) and "kvcached-limit" in procs:
             cmd += ["--blocks-from", blocks_file, "--blocks-pid", str(procs["kvcached-limit"][0].pid)]
+            cmd += ["--hold"] if label == "native-held" else []
         logf = open(os.path.join(a.out, f"{label}.log"), "w")
         procs[label] = (subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT), logf)
         log(f"started {label} (kvcached={kvc}, batch-invariant={bi}, limit={lim})")
@@ -486,10 +570,16 @@ def main(argv: List[str] | None = None) -> int:
     # (x, y, decides): a pair that decides sets the exit status; the others are controls
     # (how far native differs from itself). Under a limit without batch invariance, the
     # pair that decides is kvcached-limit against native with a pool that small.
+    # Where native-held ran, it decides (kvcached-limit's tensor shape and block count); native-small
+    # (tensors of the limit's size) is then the control of what the tensors' size alone changes.
+    held = "native-held" in res
     pairs = (
         ("native", "kvcached", True),
         (limited, "kvcached-limit", limited == "native-bi"),
-        ("native-small", "kvcached-limit", True),
+        ("native-held", "kvcached-limit", True),
+        ("native-small", "kvcached-limit", not held),
+        ("native-small", "native-held", False),
+        (limited, "native-held", False),
         ("native", "native-2", False),
         ("native-2", "kvcached", False),  # when native differs from itself: which run kvcached matches
         (limited, "native-small", False),

@@ -82,3 +82,26 @@ def test_the_line_says_whether_every_page_holds_the_same_blocks():
         {"blocks": 25, "page": 2 << 20, "block": 384 << 10, "caps": [4, 5], "exact_page": 6 << 20}
     )
     assert "hold 4 to 5 blocks" in uneven and "KVCACHED_PAGE_SIZE=6291456" in uneven
+
+
+def test_a_difference_is_placed_at_the_step_that_produced_its_token(tmp_path):
+    # Request 0: a 10-token prefill (token 0), two decodes, preempted, a 13-token recompute (token 3),
+    # a decode. Request 1: a prefill in two chunks (token 0 at step 1), then decodes.
+    trace = [[0, [[0, 10], [1, 6]]], [0, [[0, 1], [1, 6]]], [0, [[0, 1], [1, 1]]], [0, [[1, 1]]]]
+    trace += [[0, [[0, 13]]], [0, [[0, 1]]]]
+    sched = tmp_path / "y.sched"
+    sched.write_text("".join(json.dumps(t) + "\n" for t in trace))
+    assert correctness.token_steps(str(sched)) == {
+        0: [(0, False), (1, False), (2, False), (4, True), (5, True)],
+        1: [(1, False), (2, False), (3, False)],
+    }
+    x = [[5, 6, 7, 8, 9], [1, 2, 3]]
+    after_recompute = [[5, 6, 7, 0, 0], [1, 2, 3]]
+    assert correctness.where_tokens_differ(x, after_recompute, str(sched)) == (
+        "; first differ from step 4, 0 of 1 before a recompute of theirs"
+    )
+    from_prefill = [[5, 6, 7, 0, 0], [0, 2, 3]]
+    assert correctness.where_tokens_differ(x, from_prefill, str(sched)) == (
+        "; first differ from step 1, 1 of 2 before a recompute of theirs"
+    )
+    assert correctness.where_tokens_differ(x, x, str(sched)) == ""
