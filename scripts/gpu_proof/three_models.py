@@ -151,9 +151,9 @@ def main(argv: List[str] | None = None) -> int:
             started += [trio["kvcached"][m], trio["static"][m]]
         log(f"six servers up after {wait_all(started, 1200):.0f} s")
         # Warm-up, unmeasured: a burst of the measured size (16 tokens out) at every server, kvcached's
-        # first. The first full-size burst a server sees compiles and caches kernels for its batch
-        # shapes (on disk, for every server after it): on 12-06 (H100) the kvcached trio, measured
-        # first, had round 1's p50 0.71-0.81 s against 0.47-0.53 s in rounds 2-3; the static one none.
+        # first. On 12-06 (H100) the kvcached trio, measured first, had round 1's p50 0.71-0.81 s against
+        # 0.47-0.53 s in rounds 2-3, the static trio no such round; our reading: the first full-size
+        # burst on the machine compiles and caches kernels for its batch shapes, for every server after.
         for srv in [*trio["kvcached"].values(), *trio["static"].values()]:
             burst(srv, n, plen, 16, seed=99)
         labels = {s.name: m for m, s in trio["kvcached"].items()}
