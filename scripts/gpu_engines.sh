@@ -208,8 +208,8 @@ for step in "${steps[@]}"; do
     # Qwen3-Next's 272 KiB blocks do not divide a 2 MiB page: some pages hold fewer blocks, and under
     # a limit kvcached's free count is the worst case of which pages map next, so the schedules
     # differed from step 0 (12-04, 12-05). MLA: an 18 MiB page (9 x 2 MiB), 2016M (whole pages of its
-    # 4 layers) gave one schedule on 12-06 (native-small: 65 of 200 other tokens from step 5, none
-    # after a recompute; native-bi, tensors of kvcached's size: 3, each after one).
+    # 4 layers) gave one schedule on 12-06 (native-small: 65 of 200 other tokens from step 5, 55 of
+    # them before any recompute; native-bi, tensors of kvcached's size: 3, each after one).
     mla-limit) KVCACHED_PAGE_SIZE=18874368 run "$step" $proof/correctness.py --model "$mla" --prompts 200 \
       --kv 2016M --limit 216M --only native-bi,kvcached-limit,native-held,native-small --control ;;
     # vLLM 0.26 picks FlashInfer's GDN prefill on SM90, whose CuTe DSL kernel this image lacks:

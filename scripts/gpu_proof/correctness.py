@@ -306,17 +306,22 @@ def child(a: argparse.Namespace) -> int:
     return 0
 
 
+def trace_entries(path: str) -> Dict[int, List[Tuple[int, int]]]:
+    """Per request, its (step, tokens scheduled) in the trace at ``path`` (``trace_schedule``)."""
+    entries: Dict[int, List[Tuple[int, int]]] = {}
+    with open(path) as f:
+        for step, line in enumerate(f):
+            for req, n in json.loads(line)[1]:
+                entries.setdefault(req, []).append((step, n))
+    return entries
+
+
 def prefill_chunks(path: str) -> Dict[int, List[int]]:
     """Per request, the sizes of its multi-token chunks in the trace at ``path``: its
     prefill, and after a preemption its recompute. Two runs that split a sequence's
     prefill differently (another prefix hit, a recompute) computed its KV differently."""
-    chunks: Dict[int, List[int]] = {}
-    with open(path) as f:
-        for line in f:
-            for req, n in json.loads(line)[1]:
-                if n > 1:
-                    chunks.setdefault(req, []).append(n)
-    return chunks
+    chunks = {req: [n for _, n in e if n > 1] for req, e in trace_entries(path).items()}
+    return {req: c for req, c in chunks.items() if c}
 
 
 def token_steps(path: str) -> Dict[int, List[Tuple[int, bool]]]:
@@ -324,13 +329,8 @@ def token_steps(path: str) -> Dict[int, List[Tuple[int, bool]]]:
     each with whether a recompute (a multi-token chunk after its first decode) came before it. A
     chunk produces a token when the request's next entry is a decode or it has none (a request
     preempted right after a chunk's token is counted one token late: rare, and only later)."""
-    entries: Dict[int, List[Tuple[int, int]]] = {}
-    with open(path) as f:
-        for step, line in enumerate(f):
-            for req, n in json.loads(line)[1]:
-                entries.setdefault(req, []).append((step, n))
     out: Dict[int, List[Tuple[int, bool]]] = {}
-    for req, e in entries.items():
+    for req, e in trace_entries(path).items():
         produced: List[Tuple[int, bool]] = []
         decoded = recomputed = False
         for k, (step, n) in enumerate(e):
