@@ -310,7 +310,8 @@ for step in "${steps[@]}"; do
       --models A=vllm:kv,B=sglang:kv "${both[@]}" --plot "$OUT/gpu_router_mixed.png" ;;
     sleep-engine|sleep-engine-stop)
       if [ "$base" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
-      run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" ;;
+      run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" \
+        --plot "$OUT/gpu_sleep_engine.png" ;;
     *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-fp8 mixed router-mixed sleep-engine sleep-engine-stop)" >&2
        exit 2 ;;
   esac

@@ -196,7 +196,9 @@ class ElasticInstance:
         """The engine sleeps and its KV contents are gone. Call with every block
         freed but the null blocks and no step in flight (the engine's pause and
         device synchronisation are the proof). Caps every pool at 0, releases
-        every emptied page, unmaps the reserve and parked pages; returns the
+        every emptied page, unmaps the reserve and parked pages, and the null
+        block's page too (no step runs before a wake and an allocation, which
+        maps it first; ``KVCACHED_KEEP_NULL_PAGE=true`` keeps it); returns the
         bytes still mapped (pages that still hold a block). Idempotent."""
         if self.closed:
             return 0
@@ -206,6 +208,7 @@ class ElasticInstance:
         self.fence.idle()
         for p in self.pools:
             p.manager.trim()
+            p.manager.release_null_page()
             p.clear_want()
         left = self.mapped_bytes()
         logger.debug("kvcached: %s asleep, %d KiB of KV still mapped (pages holding a block)", self.name, left >> 10)

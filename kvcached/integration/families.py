@@ -171,11 +171,11 @@ def _refused_everywhere(key: str, name: str, feature: str, spec: str) -> Family:
 
 
 _HYBRID_GPU_WHY = (
-    "on the H200 (vLLM 0.26) a Qwen3-Next gave other greedy tokens than without kvcached in 29, 0 and 19 "
-    "of 200 sequences in three runs, each with native's very schedule, not yet explained (0 of 200 in seven "
-    "runs since; no limit run has decided yet: its 272 KiB blocks do not divide the page (2 or 18 MiB), so "
-    "kvcached's and native's free counts, and so their schedules, differed from step 0: "
-    f"{_GPU_DOC})"
+    "on the H200 (vLLM 0.26) a Qwen3-Next gave other greedy tokens than without kvcached in 29 and 19 of 200 "
+    "sequences in two of three runs, each with native's very schedule; on H100s 0 of 200 in the seven runs "
+    "since and under a limit (32 preemptions, native's block count and schedule); kernel configs each "
+    "process picks by timing may explain it (an MLA native so differed from itself), untested on the H200: "
+    f"{_GPU_DOC}"
 )
 FAMILIES: Tuple[Family, ...] = (
     Family(
@@ -188,9 +188,9 @@ FAMILIES: Tuple[Family, ...] = (
             "V2 runner, async scheduling, CUDA graphs, FlashAttention 3; 0 of 200 sequences differ from native, "
             "as from a second native run (both releases; 0.29 on an H100), and on 0.26 0 of 200 with "
             "batch-invariant kernels under a 4 GiB limit (176 preemptions); on 0.29 under that limit undecided: "
-            "kvcached and native with a pool that small differ in 188 with one schedule, but native's own "
-            "batch-invariant runs (unlimited and that small) differ from token 3 there: invariance did not "
-            "hold for 0.29 on the image's torch 2.11; a second small native decides next",
+            "kvcached and native with a pool that small differ in 178 with one schedule from the first token, "
+            "two such natives in none; kernel configs each process picks by timing (seen for MLA) may explain "
+            "it: a run with them pinned decides next",
         ),
         sglang_cpu=ci(ref="tests/engines/sglang/test_engine.py"),
         sglang_gpu=h200(
@@ -288,10 +288,9 @@ FAMILIES: Tuple[Family, ...] = (
             ["0.26", "0.29"],
             "FlashAttention-MLA, CUDA graphs, async scheduling; tiny DeepSeek-V2 with the real 512 + 64 latent: "
             "200 prompts, outputs to 2,386 tokens, identical with and without kvcached, as with a native "
-            "control; under a 256 MiB limit (116 preemptions) 89 of 200 differ from unlimited native, as do 90 "
-            "of native's own with a pool that small (88 the same sequences; MLA's recompute is not bit-equal), "
-            "and kvcached and that native differ in 9; on 18 MiB pages (216 MiB limit, the same 116 preemptions) "
-            "3 of 200 differ from unlimited native, each after a recompute; 0.29 (H100): 0 of 200 differ from a "
+            "control; under a 216 MiB limit on 18 MiB pages (116 preemptions) 0 of 200 differ from native with "
+            "kvcached's block count, tensors and schedule, 3 from unlimited native, each after a recompute "
+            "(MLA's recompute is not bit-equal); 0.29 (H100): 0 of 200 differ from a "
             "second native, which matches kvcached, while the first native run differs from both in 93 (native's "
             "own noise)",
         ),

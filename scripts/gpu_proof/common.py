@@ -46,6 +46,15 @@ def base_args(cpu: bool, max_model_len: int) -> List[str]:
 # 12-06 they were not: the -ro steps ran rw).
 STEP_SETTINGS = ("KVCACHED_ZERO_PAGE", "KVCACHED_ALLOW_UNSUPPORTED", "KVCACHED_KEEP_NULL_PAGE", "KVCACHED_PAGE_SIZE")
 
+# Kernel choices each engine process makes by timing change its numbers: Inductor benchmarks a
+# reduction's configs and Triton's @autotune (vLLM's GDN and Mamba kernels) its configs in every
+# process, so two processes of one engine may compute other tokens. 12-06, H100, MLA under a
+# limit: the natives that loaded their compiled graph from the cache gave other tokens than
+# kvcached-limit and native-bi (which compiled theirs) in 65 of 200 at 11:27 and in none at 14:48,
+# while those two gave the very same tokens in both sessions. Token comparisons pin the choices
+# (the first valid config; no benchmark that changes numerics), in every engine alike.
+PINNED_KERNELS = {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1", "TORCHINDUCTOR_DETERMINISTIC": "1"}
+
 
 def engine_env(kvcached: bool, name: str, cpu: bool, budget_fraction: float, **extra: object) -> Dict[str, str]:
     """Environment of one engine: kvcached on or off, the device budget of every
@@ -233,11 +242,12 @@ def router_model(
     path: Optional[str] = None,
     vllm_gpu_args: Sequence[str] = (),
     extra_args: Sequence[str] = (),
+    env: Optional[Dict[str, str]] = None,
 ) -> Dict[str, object]:
     """One model of a ``kvcached serve`` config: ``engine`` (vllm or sglang) serving ``model``
     with ``kv`` bytes of KV capacity (vLLM: ``base_args`` and ``--kv-cache-memory-bytes``, plus
     ``vllm_gpu_args`` on the device; SGLang: ``sglang_args``), run by ``python`` with
-    ``path`` as PYTHONPATH (default: this process's)."""
+    ``path`` as PYTHONPATH (default: this process's) and ``env`` besides."""
     model = os.path.abspath(model)
     if engine == "vllm":
         args = [*base_args(cpu, max_model_len), "--kv-cache-memory-bytes", str(kv)]
@@ -252,7 +262,7 @@ def router_model(
         "engine": engine,
         "model": model,
         "args": [*args, *extra_args],
-        "env": {"PYTHONPATH": path} if path else {},
+        "env": {**(env or {}), **({"PYTHONPATH": path} if path else {})},
         "idle_seconds": idle,
         "sleep": sleep,
         "python": python,

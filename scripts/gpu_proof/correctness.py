@@ -42,7 +42,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import engine_env, kvctl, log, write_json  # noqa: E402
+from common import PINNED_KERNELS, engine_env, kvctl, log, write_json  # noqa: E402
 
 
 def make_prompts(n: int, vocab: int, cpu: bool, seed: int = 7) -> Tuple[List[List[int]], List[int]]:
@@ -301,9 +301,23 @@ def child(a: argparse.Namespace) -> int:
     # What this engine's kvcached ran with (the table says so: a step's setting that never
     # reached the engine would otherwise pass unseen).
     zero_page = (os.environ.get("KVCACHED_ZERO_PAGE") or "rw") if os.environ.get("ENABLE_KVCACHED") else ""
+    pinned = all(os.environ.get(k) == v for k, v in PINNED_KERNELS.items())
     out = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": dt, "counters": counters}
-    write_json(a.out, {**out, "zero_page": zero_page})
+    write_json(a.out, {**out, "zero_page": zero_page, "pinned_kernels": pinned})
     return 0
+
+
+def graph_source(out: str, label: str) -> str:
+    """Whether ``label``'s engine compiled its graph or loaded it from the compile cache (its
+    log): a loading process benchmarks kernel configs on its own (``PINNED_KERNELS``)."""
+    try:
+        with open(os.path.join(out, f"{label}.log"), errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return "?"
+    if "Directly load the compiled graph" in text:
+        return "cache"
+    return "compiled" if "Compiling a graph for" in text else "eager"
 
 
 def trace_entries(path: str) -> Dict[int, List[Tuple[int, int]]]:
@@ -424,6 +438,13 @@ def main(argv: List[str] | None = None) -> int:
         help="native-bi and kvcached-limit without VLLM_BATCH_INVARIANT (a backend that lacks it: GDN / Mamba)",
     )
     ap.add_argument(
+        "--free-kernels",
+        action="store_true",
+        help="leave kernel configs to each process's timing (vLLM's default); by default every engine "
+        f"pins them ({', '.join(f'{k}={v}' for k, v in PINNED_KERNELS.items())}): otherwise two processes "
+        "of one engine may differ",
+    )
+    ap.add_argument(
         "--control",
         action="store_true",
         help="also native-2, a second native engine (how far two native runs differ), native-small, "
@@ -512,6 +533,8 @@ def main(argv: List[str] | None = None) -> int:
             extra["VLLM_BATCH_INVARIANT"] = "1"
         if kvc and a.allow_unsupported:
             extra["KVCACHED_ALLOW_UNSUPPORTED"] = "1"
+        if not a.free_kernels:
+            extra.update(PINNED_KERNELS)
         env = engine_env(kvc, name, a.cpu, 0.3, **extra)
         cmd = [
             sys.executable,
@@ -558,7 +581,8 @@ def main(argv: List[str] | None = None) -> int:
     total = sum(outs)
     print(
         f"\n{len(prompts)} prompts ({len(prompts) // 8 or 1} shared prefixes), {total} output tokens, "
-        f"longest output {max(outs)}; KV {kv} each, limit {limit}"
+        f"longest output {max(outs)}; KV {kv} each, limit {limit}; kernel configs "
+        + ("each process's own (--free-kernels)" if a.free_kernels else "pinned in every engine")
     )
     if os.path.exists(blocks_file):
         with open(blocks_file) as f:
@@ -572,7 +596,8 @@ def main(argv: List[str] | None = None) -> int:
     # pair that decides is kvcached-limit against native with a pool that small.
     # Where native-held ran, it alone decides under the limit (kvcached-limit's tensor shape and block
     # count, so its schedule); native-small (tensors of the limit's size) is then the control of what
-    # the tensors' size alone changes, native-bi (another schedule) of batch invariance.
+    # the tensors' size alone changes (nothing, 12-06 14:48), native-bi (another schedule) of batch
+    # invariance.
     held = "native-held" in res
     pairs = (
         ("native", "kvcached", True),
@@ -604,7 +629,8 @@ def main(argv: List[str] | None = None) -> int:
             f"preemptions {cx.get('vllm:num_preemptions', 0):.0f}, prefix hits {hits_x:.1%}; kvcached peak mapped "
             f"{cy.get('kvcached_peak_mapped', 0) / (1 << 20):.0f} MiB, "
             f"limit {cy.get('kvcached_limit', 0) / (1 << 20):.0f} MiB"
-            f"{', zero page ' + res[y]['zero_page'] if res[y].get('zero_page') else ''})"
+            f"{', zero page ' + res[y]['zero_page'] if res[y].get('zero_page') else ''}; "
+            f"graphs {graph_source(a.out, x)} / {graph_source(a.out, y)})"
         )
         rc |= decides and n != 0
     for label in res:  # the offload tier's own counters, where an engine had one

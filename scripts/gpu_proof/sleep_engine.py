@@ -10,10 +10,10 @@ fit beside the KV budget: 5 on an H200), the others sleep (``sleep: engine``: vL
 SGLang's memory saver move the weights to host memory while kvcached gives their KV back;
 ``sleep: stop``: the engine is stopped, the comparison). Phases:
 
-1. warm-up: one greedy batch per model (the held-back models start on it, each evicting
-   the least recently used one); these tokens are each model's reference;
+1. warm-up: each model's reference prompts, greedy and one at a time (the held-back models
+   start on them, each evicting the least recently used one): each model's reference tokens;
 2. rotating stream: ``--rounds`` rounds over the models (most visits find their model
-   asleep: a wake, after an eviction); a visit sends the reference batch first, whose greedy
+   asleep: a wake, after an eviction); a visit sends the reference prompts first, whose greedy
    tokens must equal the reference (CUDA graphs on: vLLM's and SGLang's defaults), then
    ``--burst`` streamed requests at once;
 3. Zipf stream: Poisson arrivals at ``--rate`` req/s for ``--zipf-seconds``, models drawn
@@ -49,6 +49,7 @@ from typing import Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     GIB,
+    PINNED_KERNELS,
     log,
     percentile,
     router_budget,
@@ -124,6 +125,9 @@ def config(a: argparse.Namespace, port: int, dev: int) -> Dict:
             # Explicit KV bytes: vLLM reads the utilization only in its start-up check of free memory.
             vllm_gpu_args=["--gpu-memory-utilization", str(a.gpu_utilization), "--max-num-seqs", "64"],
             extra_args=[SLEEP_FLAG[a.engine]] if a.sleep == "engine" else [],
+            # The references are checked across processes in the stop arm (a restart) and after
+            # every start: kernel configs picked by timing would differ between them.
+            env=dict(PINNED_KERNELS) if a.engine == "vllm" else None,
         )
         for m in names(a.models)
     ]
@@ -238,9 +242,26 @@ def one(port: int, model: str, prompt: List[int], gen: int) -> Tuple[Optional[fl
 
 
 def reference(port: int, model: str, gen: int) -> List[List[int]]:
-    """The model's greedy tokens for its reference prompts, in one request (one batch)."""
+    """The model's greedy tokens for its reference prompts, one request at a time: a prompt
+    alone in every step gets the same numbers from every start of the engine, while a batch
+    of them is split over steps as they arrive, which changes the numbers (12-06, H100: with
+    one batch, 24 of 32 sequences differed after plain restarts, ``sleep: stop``)."""
+    srv = SimpleNamespace(port=port, model=model)
     prompts = vs.token_prompts(REF_PROMPTS, 64, seed=7)
-    return vs.stream_batch(SimpleNamespace(port=port, model=model), prompts, gen, lambda i, done: None, timeout=900)
+    return [vs.stream_batch(srv, [p], gen, lambda i, done: None, timeout=900)[0] for p in prompts]
+
+
+def first_differences(got: List[List[int]], want: List[List[int]]) -> List[int]:
+    """For each sequence that differs, the index of its first token that does (-1: lengths)."""
+    out = []
+    for x, y in zip(got, want):
+        if x != y:
+            out.append(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), -1))
+    return out
+
+
+def where(firsts: List[int]) -> str:
+    return f" (first at token {', '.join(map(str, firsts))})" if firsts else ""
 
 
 def summary(xs: List[float]) -> Dict[str, Optional[float]]:
@@ -267,7 +288,7 @@ def run(a: argparse.Namespace, cfg: Dict) -> Dict:
         for m in models:
             t1 = time.monotonic()
             refs[m] = reference(port, m, a.ref_tokens)
-            log(f"warm-up {m}: reference batch in {time.monotonic() - t1:.1f} s")
+            log(f"warm-up {m}: references in {time.monotonic() - t1:.1f} s")
         res["warmup_s"] = time.monotonic() - t0
         # 2. rotating stream
         rot: List[Dict[str, object]] = []
@@ -277,17 +298,19 @@ def run(a: argparse.Namespace, cfg: Dict) -> Dict:
                 t1 = time.monotonic()
                 again = reference(port, m, a.ref_tokens)  # the wake's request: the tokens are checked
                 first_s = time.monotonic() - t1
-                diff = sum(x != y for x, y in zip(again, refs[m]))
+                firsts = first_differences(again, refs[m])
+                diff = len(firsts)
                 prompts = vs.token_prompts(a.burst, a.prompt_len, seed=100 + r * len(models) + i)
                 with ThreadPoolExecutor(a.burst) as ex:
                     got = list(ex.map(lambda p, m=m: one(port, m, p, a.gen), prompts))
                 ttfts = [t for t, _ in got if t is not None]
                 rot.append(
                     {"model": m, "state_before": before, "first_batch_s": first_s, "token_diffs": diff,
-                     "ttft": summary(ttfts), "failed": sum(not ok for _, ok in got), "seconds": time.monotonic() - t1}
+                     "first_diff_at": firsts, "ttft": summary(ttfts), "failed": sum(not ok for _, ok in got),
+                     "seconds": time.monotonic() - t1}
                 )  # fmt: skip
                 log(
-                    f"visit {m} ({before}): reference batch {first_s:.1f} s, {diff} of {REF_PROMPTS} differ; "
+                    f"visit {m} ({before}): references {first_s:.1f} s, {diff} of {REF_PROMPTS} differ{where(firsts)}; "
                     f"burst TTFT {fmt(summary(ttfts))}, {rot[-1]['failed']} failed"
                 )
         res["rotating"] = rot
@@ -335,12 +358,10 @@ def report(res: Dict, other: Optional[Dict]) -> int:
     print(f"warm-up (references; held-back models started): {res['warmup_s']:.0f} s")
     print(f"wakes by {a.sleep}: {fmt(summary(wakes))}")
     print(f"first starts: {fmt(summary(starts))}; sleeps: {fmt(summary(sleeps))}; evictions {len(tr['evictions'])}")
-    print(
-        f"rotating: {len(rot)} visits (reference batch, then {a.burst} at once), {len(cold)} found their model asleep"
-    )
+    print(f"rotating: {len(rot)} visits (references, then {a.burst} at once), {len(cold)} found their model asleep")
     for r in rot:
         print(
-            f"  {r['model']:<4} {r['state_before']:<9} reference batch {r['first_batch_s']:6.1f} s "
+            f"  {r['model']:<4} {r['state_before']:<9} references {r['first_batch_s']:6.1f} s "
             f"({r['token_diffs']} differ)  burst TTFT {fmt(r['ttft'])}  failed {r['failed']}"
         )
     print(f"zipf {a.zipf_seconds:.0f} s at {a.rate}/s: {len(zipf)} requests; TTFT model awake {fmt(summary(z_warm))}")
@@ -360,6 +381,49 @@ def report(res: Dict, other: Optional[Dict]) -> int:
     print(f"{failed} requests failed; router exit status {res['router_rc']} after SIGTERM")
     ok = not failed and not bad and res["router_rc"] == 0 and bool(woken)
     return 0 if ok else 1
+
+
+def plot(res: Dict, other: Optional[Dict], path: str) -> None:
+    """Wake times of each arm (left) and the Zipf stream's TTFT, requests that found their model
+    asleep and awake (right, as a CDF): what a wake by ``sleep: engine`` costs against a restart."""
+    try:
+        import matplotlib
+    except ImportError:
+        log("matplotlib is not installed: no plot (the series are in the JSON beside it)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    arms = [r for r in (res, other) if r is not None]
+    for i, r in enumerate(arms):
+        c = r["config"]
+        mode, color = c["sleep"], f"C{i}"
+        wakes = [s for _, s, m in r["transitions"]["wakes"] if m == mode]
+        rng = random.Random(i)
+        left.scatter([i + rng.uniform(-0.15, 0.15) for _ in wakes], wakes, s=14, color=color, alpha=0.7)
+        if wakes:
+            left.annotate(f"p50 {percentile(wakes, 50):.2f} s", (i + 0.2, percentile(wakes, 50)), fontsize=9)
+        for state, style in (("asleep", "-"), ("awake", "--")):
+            ts = sorted(t for _, st, t, _ in r["zipf"] if t is not None and (st == "ready") == (state == "awake"))
+            if ts:
+                ys = [(k + 1) / len(ts) for k in range(len(ts))]
+                label = f"sleep: {mode}, model {state} (n={len(ts)})"
+                right.step(ts, ys, where="post", ls=style, color=color, label=label)
+    left.set_xticks(range(len(arms)), [f"sleep: {r['config']['sleep']}\n{r['config']['models']} models, "
+                                       f"{r['config']['max_awake']} awake" for r in arms])  # fmt: skip
+    left.set_yscale("log")
+    left.set_ylabel("wake, s (router: asked -> serving)")
+    left.set_xlim(-0.6, len(arms) - 0.4)
+    right.set_xscale("log")
+    right.set_xlabel("TTFT, s (Zipf stream)")
+    right.set_ylabel("fraction of requests")
+    right.legend(fontsize=8, loc="lower right")
+    c = res["config"]
+    fig.suptitle(f"{c['engine']}: more models than the GPU holds behind kvcached serve (KV budget {c['kv']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"plot: {path}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -396,8 +460,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--zipf-s", type=float, default=1.1)
     ap.add_argument("--prompt-len", type=int, default=None, help="default 512; --cpu 32")
     ap.add_argument("--gen", type=int, default=None, help="tokens per request (default 64; --cpu 8)")
-    ap.add_argument("--ref-tokens", type=int, default=None, help="tokens of the reference batch (default 64; --cpu 8)")
+    ap.add_argument("--ref-tokens", type=int, default=None, help="tokens per reference (default 64; --cpu 8)")
     ap.add_argument("--compare", default=None, help="another run's sleep_engine.json to print beside this one")
+    ap.add_argument("--plot", default=None, help="PNG of wake times and TTFT (with --compare: both arms)")
+    ap.add_argument(
+        "--report", action="store_true", help="print the report (and --plot) of the run in --out, starting nothing"
+    )
     ap.add_argument("--dry-run", action="store_true", help="write the config, print the plan and checks, start nothing")
     ap.add_argument("--device-gib", type=float, default=None, help="plan for a device this large (default: probed)")
     ap.add_argument(
@@ -405,6 +473,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
+    if a.report:
+        with open(os.path.join(a.out, "sleep_engine.json")) as f:
+            return finish(json.load(f), a)
     cpu = a.cpu
     a.sleep = a.sleep or ("stop" if cpu else "engine")
     if cpu and a.sleep == "engine":
@@ -444,6 +515,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     res = run(a, cfg)
     res["config"]["kv"] = format_size(a.kv)
     write_json(os.path.join(a.out, "sleep_engine.json"), res)
+    return finish(res, a)
+
+
+def finish(res: Dict, a: argparse.Namespace) -> int:
+    """The report of ``res``, beside ``--compare``'s run where it is another, and its plot."""
     other = None
     if (
         a.compare
@@ -452,7 +528,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ):
         with open(a.compare) as f:
             other = json.load(f)
-    return report(res, other)
+    rc = report(res, other)
+    if a.plot:
+        plot(res, other, a.plot)
+    return rc
 
 
 if __name__ == "__main__":

@@ -162,9 +162,10 @@ def test_pool_over_a_lowered_limit_and_the_idle_action(host_plane, prefix, monke
     m.shutdown()
 
 
-def test_instance_sleep_leaves_only_the_null_blocks_page_and_wake_maps_on_demand(host_plane, prefix, monkeypatch):
+def test_instance_sleep_unmaps_every_page_and_wake_maps_on_demand(host_plane, prefix, monkeypatch):
     """The engine's own sleep: every block freed (the adapter's part), then sleep() releases the
-    retired pages, unmaps the reserve and caps the pool at 0; wake() restores the limit."""
+    retired pages and the null block's, unmaps the reserve and caps the pool at 0; wake()
+    restores the limit and the next alloc maps the null block's page first."""
     monkeypatch.setenv("KVCACHED_HOST_MEMORY_BUDGET", "64M")
     m = _manager(own_segment=True, pool_name=prefix + "z")
     pool = ElasticPool(m)
@@ -174,15 +175,18 @@ def test_instance_sleep_leaves_only_the_null_blocks_page_and_wake_maps_on_demand
     m.free(ids)  # retired: a launched step may still read them
     assert pool.mapped_pages() == 4
     left = inst.sleep()  # the engine synchronised: nothing in flight any more
-    assert inst.asleep and left == pool.bytes_per_page and pool.mapped_pages() == 1
-    # Nothing new is mapped while asleep: only the null block's page's own free blocks remain.
-    assert m.available_size() == 3 and m.alloc(4) is None
-    assert inst.sleep() == pool.bytes_per_page  # idempotent
+    assert inst.asleep and left == 0 and pool.mapped_pages() == 0 and m.null_block is None
+    # Nothing is mapped while asleep, the null block's page neither.
+    assert m.available_size() == 0 and m.alloc(1) is None and pool.mapped_pages() == 0
+    assert inst.sleep() == 0  # idempotent
     inst.wake()
     assert not inst.asleep
-    again = m.alloc(4)
-    assert again is not None and pool.mapped_pages() == 2
+    again = m.alloc(4)  # page 0 (the null block and 3 more) and one page
+    assert again is not None and m.null_block == [0] and 0 not in again and pool.mapped_pages() == 2
     m.free(again)
+    monkeypatch.setenv("KVCACHED_KEEP_NULL_PAGE", "true")
+    assert inst.sleep() == pool.bytes_per_page and m.null_block == [0]  # kept
+    inst.wake()
     inst.close()
     m.shutdown()
 
@@ -285,7 +289,7 @@ def test_a_pool_without_a_record_sleeps_on_its_own_cap(host_plane):
     before = int(m.page_allocator.mem_limit())
     m.free(m.alloc(8))
     inst.sleep()
-    assert pool.mapped_pages() == 1 and int(m.page_allocator.mem_limit()) == 0
+    assert pool.mapped_pages() == 0 and int(m.page_allocator.mem_limit()) == 0
     inst.wake()
     assert int(m.page_allocator.mem_limit()) == before and m.alloc(4) is not None
     inst.close()

@@ -105,3 +105,40 @@ def test_a_difference_is_placed_at_the_step_that_produced_its_token(tmp_path):
         "; first differ from step 1, 1 of 2 before a recompute of theirs"
     )
     assert correctness.where_tokens_differ(x, x, str(sched)) == ""
+
+
+def test_the_graph_source_is_read_from_each_engines_log(tmp_path):
+    """Which engine compiled its graph and which loaded it (processes that pick kernel configs
+    on their own: the 12-06 MLA natives that differed had loaded theirs)."""
+    (tmp_path / "a.log").write_text("... Directly load the compiled graph(s) for compile range (1, 16384) ...\n")
+    (tmp_path / "b.log").write_text("... Compiling a graph for compile range (1, 16384) takes 20.59 s\n")
+    (tmp_path / "c.log").write_text("enforce_eager=True\n")
+    got = [correctness.graph_source(str(tmp_path), label) for label in ("a", "b", "c", "missing")]
+    assert got == ["cache", "compiled", "eager", "?"]
+
+
+def test_every_engine_pins_its_kernel_configs_unless_told(tmp_path, monkeypatch):
+    """The engines' environments, as main() builds them (Popen recorded, nothing started)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    envs = {}
+
+    class Recorded:
+        def __init__(self, cmd, env, **_):
+            envs[cmd[cmd.index("--label") + 1]] = env
+            self.pid = 0
+
+        def wait(self):
+            return 1  # "failed": main stops before reading any tokens
+
+    monkeypatch.setattr(correctness.subprocess, "Popen", Recorded)
+    for free in (False, True):
+        envs.clear()
+        argv = ["--model", str(model), "--out", str(tmp_path / f"out{free}"), "--cpu", "--prompts", "8"]
+        argv += ["--only", "native,kvcached"] + (["--free-kernels"] if free else [])
+        assert correctness.main(argv) == 1
+        assert set(envs) == {"native", "kvcached"}
+        for env in envs.values():
+            for k, v in correctness.PINNED_KERNELS.items():
+                assert (env.get(k) == v) is not free, (k, free)

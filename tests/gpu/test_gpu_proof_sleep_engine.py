@@ -36,9 +36,45 @@ def test_dry_run_writes_a_config_the_router_accepts(tmp_path):
     assert cfg["max_awake"] == 5 and len(cfg["models"]) == 10
     m = cfg["models"][0]
     assert m["sleep"] == "engine" and "--enable-sleep-mode" in m["args"] and m["engine"] == "vllm"
+    # The references are compared across processes: every engine pins its kernel configs.
+    assert all(m["env"].get(k) == v for k, v in sleep_engine.PINNED_KERNELS.items()), m["env"]
     assert 0 < cfg["kvcached"]["gpu_utilization"] < 0.2  # the shared KV budget, 16 GiB of 139
 
 
 def test_cpu_refuses_engine_sleep_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match="neither engine can sleep on a CPU"):
         sleep_engine.main(["--model", str(tmp_path), "--out", str(tmp_path / "o"), "--cpu", "--sleep", "engine"])
+
+
+def test_the_first_differing_token_of_each_sequence_that_differs():
+    want = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert sleep_engine.first_differences([[1, 2, 3], [4, 0, 6], [7, 8]], want) == [1, -1]
+    assert sleep_engine.first_differences(want, want) == []
+
+
+def _run(sleep: str, wakes, failed: int = 0, diffs: int = 0) -> dict:
+    return {
+        "config": {"models": 3, "max_awake": 1, "sleep": sleep, "engine": "vllm", "kv": "16.0G", "burst": 2,
+                   "zipf_seconds": 5.0, "rate": 1.0},
+        "warmup_s": 10.0,
+        "transitions": {"wakes": [["m1", 50.0, "stop"]] + [["m0", w, sleep] for w in wakes], "sleeps": [],
+                        "evictions": []},
+        "rotating": [{"model": "m0", "state_before": "asleep", "first_batch_s": 1.0, "token_diffs": diffs,
+                      "ttft": {"n": 2, "p50": 0.1, "p99": 0.2, "max": 0.2}, "failed": failed}],
+        "zipf": [["m0", "asleep", 1.5, True], ["m0", "ready", 0.05, True]],
+        "router_rc": 0,
+    }  # fmt: skip
+
+
+def test_report_reads_a_finished_run_and_sets_the_status_from_its_checks(tmp_path, capsys):
+    """``--report``: the report of the run in --out beside --compare's, starting nothing; exit 1
+    when a token differed after a wake or a request failed."""
+    for name, res in (("engine", _run("engine", [0.5, 0.6])), ("stop", _run("stop", [47.0]))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sleep_engine.json").write_text(json.dumps(res))
+    argv = ["--model", str(tmp_path), "--out", str(tmp_path / "engine"), "--report"]
+    assert sleep_engine.main(argv + ["--compare", str(tmp_path / "stop" / "sleep_engine.json")]) == 0
+    out = capsys.readouterr().out
+    assert "wakes by engine: n=2 " in out and "compare: wake p50/p99 engine" in out and "| stop n=2 " in out
+    (tmp_path / "engine" / "sleep_engine.json").write_text(json.dumps(_run("engine", [0.5], diffs=1)))
+    assert sleep_engine.main(argv) == 1

@@ -19,8 +19,8 @@ calls unchanged:
 * after a release with ``kv_cache`` in ``offload_tags``: the flush has freed every
   block (the scheduler hook released the emptied pages), the device is
   synchronised, so the process's ``ElasticInstance`` sleeps: every pool capped at 0
-  until the resume, nothing mapped but the padding slot's page (and a hybrid's
-  dummy state slot);
+  until the resume, nothing mapped, not even the padding slot's page (or a hybrid's
+  dummy state slot's): the first allocation after the resume maps it first;
 * after a resume that took ``kv_cache`` out of ``offload_tags``: the instance wakes,
   the limits apply again (one written meanwhile included), pages are mapped on demand.
 

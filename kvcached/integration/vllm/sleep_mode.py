@@ -24,7 +24,8 @@ executor is followed here, its calls unchanged:
   reset the prefix cache already; this keeps the pool consistent with KV
   contents that count as gone) and the instance sleeps
   (``ElasticInstance.sleep``): every emptied page released, the pool capped at
-  0 until the wake, so nothing stays mapped but the page of vLLM's null block.
+  0 until the wake, so nothing stays mapped, not even the page of vLLM's null block
+  (no step runs before a wake and an allocation, which maps that page first).
   That runs after the workers' own sleep returned: they synchronised the
   device, so no step can still read a page;
 * when ``kv_cache`` stops sleeping (``wake_up()`` or ``wake_up(["kv_cache"])``),
@@ -82,7 +83,8 @@ def check_no_blocks_held(pool: ElasticBlockPool, what: str) -> None:
 
 def sleep_kv(pool: ElasticBlockPool) -> int:
     """The KV contents count as gone: evicts every cached block and puts the instance to
-    sleep (cap 0, every emptied page released). Returns the bytes still mapped."""
+    sleep (cap 0, every emptied page released, the null block's too). Returns the bytes
+    still mapped."""
     if pool.backend.instance.asleep:
         return pool.backend.instance.mapped_bytes()
     check_no_blocks_held(pool, "give the KV cache back")

@@ -91,9 +91,9 @@ def test_sleep_gives_back_every_page_and_wake_maps_on_demand(pool, level):  # no
     ex.sleep(level=level)
     assert ex.calls == [("sleep", (), {"level": level})]  # the workers' own sleep ran first
     assert ex.sleeping_tags == {"weights", "kv_cache"} and _asleep(pool)
-    assert _mapped(pool) == [0]  # only the null block's page
+    assert _mapped(pool) == []  # the null block's page too
     assert pool.free_block_queue.num_free_blocks == 0  # the prefix cache is empty: its KV is gone
-    assert pool.get_num_free_blocks() == 7  # the null block's page's own free blocks, nothing mappable
+    assert pool.get_num_free_blocks() == 0  # nothing mappable
     assert pool.manager.limits.cap == 0 and pool.manager.limits.limit > 0  # the operator's limit is kept
     ex.sleep(level=level)  # already asleep: vLLM warns, nothing changes
     assert len(ex.calls) == 1 and _asleep(pool)
@@ -108,7 +108,7 @@ def test_wake_up_by_tag_keeps_the_kv_cache_asleep_until_its_own_tag(pool):  # no
     ex = _bind(pool)
     ex.sleep(level=1)
     ex.wake_up(tags=["weights"])  # e.g. RLHF: weights first, updated, then the KV cache
-    assert ex.sleeping_tags == {"kv_cache"} and _asleep(pool) and _mapped(pool) == [0]
+    assert ex.sleeping_tags == {"kv_cache"} and _asleep(pool) and _mapped(pool) == []
     ex.wake_up(tags=["kv_cache"])
     assert not ex.sleeping_tags and not _asleep(pool)
     # And the other way round.
@@ -125,7 +125,7 @@ def test_a_wake_that_fails_half_way_leaves_the_kv_cache_asleep_and_a_retry_wakes
     with pytest.raises(WorkerFailure):
         ex.wake_up()
     assert ex.sleeping_tags == {"weights", "kv_cache"} and _asleep(pool)  # as vLLM believes: still asleep
-    assert pool.get_num_free_blocks() == 7
+    assert pool.get_num_free_blocks() == 0
     ex.fail = ""
     ex.wake_up()
     assert not _asleep(pool) and len(pool.get_new_blocks(9)) == 9
@@ -145,7 +145,7 @@ def test_a_limit_written_during_sleep_applies_at_the_wake(pool):  # noqa: F811
     ex.sleep(level=1)
     r = set_instance_memory_limit(2 * P * 2, name=pool.backend.name, wait_s=5.0)  # page 0 + one more
     assert r in ("applied", "deferred"), r.message
-    assert _asleep(pool) and _mapped(pool) == [0] and pool.get_num_free_blocks() == 7  # still nothing mapped
+    assert _asleep(pool) and _mapped(pool) == [] and pool.get_num_free_blocks() == 0  # still nothing mapped
     ex.wake_up()
     pool._avail_until = 0.0
     assert 7 < pool.get_num_free_blocks() <= 15  # the null page's 7 + one page: the new limit
@@ -172,6 +172,6 @@ def test_discarding_the_kv_cache_alone_gives_its_pages_back(pool):  # noqa: F811
     pool.free_blocks(live)
     with pytest.raises(WorkerFailure):  # vLLM marks the tag even when a worker failed: followed
         ex.discard(("kv_cache",))
-    assert ex.sleeping_tags == {"kv_cache"} and _asleep(pool) and _mapped(pool) == [0]
+    assert ex.sleeping_tags == {"kv_cache"} and _asleep(pool) and _mapped(pool) == []
     ex.wake_up(tags=["kv_cache"])
     assert not _asleep(pool)
