@@ -86,12 +86,14 @@
 #   mixed        a vLLM and an SGLang server sharing one KV budget, bursts alternating between
 #                them, vs a static split of the same memory; want -> give-back both ways
 #   router-mixed a vLLM and an SGLang model behind `kvcached serve` (kv sleep, wake on request)
-# More models than the GPU holds (vLLM):
+# More models than the GPU holds (vLLM; SGLang):
 #   sleep-engine more copies of the 8B model than the GPU holds behind `kvcached serve` with
 #                `sleep: engine` (vLLM's sleep mode, kvcached gives the KV back) and max_awake
 #                (sleep_engine.py: rotating and Zipf streams, wake p50/p99, TTFT, greedy tokens
 #                after wakes = before); sleep-engine-stop the same with `sleep: stop` (restarts;
 #                fewer models, the wake is a restart either way), printed beside sleep-engine's
+#   sglang-sleep-engine  sleep-engine with SGLang 0.5.17 (`--enable-memory-saver`: torch_memory_saver
+#                moves the weights, kvcached the KV), printed beside vLLM's sleep-engine
 # Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
 #   STEP@SET runs STEP with engine set SET's site directory (PYTHONPATH=/tmp/sc-SET, e.g.
 #   correctness@vllm029: vLLM 0.29); STEP.N is STEP again under its own name (tables, work folder),
@@ -312,7 +314,9 @@ for step in "${steps[@]}"; do
       if [ "$base" = sleep-engine ]; then more=(--sleep engine); else more=(--sleep stop --models 4 --max-awake 2 --zipf-seconds 30); fi
       run "$step" $proof/sleep_engine.py --model "$big" "${more[@]}" --compare "$WORK/sleep-engine/sleep_engine.json" \
         --plot "$OUT/gpu_sleep_engine.png" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-fp8 mixed router-mixed sleep-engine sleep-engine-stop)" >&2
+    sglang-sleep-engine) run_sglang "$step" $proof/sleep_engine.py --engine sglang --model "$big" --sleep engine \
+      --compare "$WORK/sleep-engine/sleep_engine.json" --plot "$OUT/gpu_sleep_engine_sglang.png" ;;
+    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-fp8 mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine)" >&2
        exit 2 ;;
   esac
   export PYTHONPATH=$given_path

@@ -233,11 +233,13 @@ def stream_batch(
     max_tokens: int,
     on_token: Callable[[int, bool], None],
     timeout: float = 300,
+    extra: Optional[Dict[str, object]] = None,
 ) -> List[List[int]]:
     """Greedy completions of every prompt in one streamed request: the server hands them to
     the engine together (one by one, on a busy client, a fast engine may finish each before
     the next arrives). ``on_token(index, finished)`` is called for every chunk of a prompt's
-    tokens; returns each prompt's output token ids, in prompt order."""
+    tokens; returns each prompt's output token ids, in prompt order. ``extra``: more fields
+    of the request (e.g. vLLM's ``cache_salt``)."""
     body = {
         "model": srv.model,
         "prompt": prompts,
@@ -246,6 +248,7 @@ def stream_batch(
         "return_token_ids": True,
         "ignore_eos": True,
         "stream": True,
+        **(extra or {}),
     }
     out: List[List[int]] = [[] for _ in prompts]
     with urllib.request.urlopen(_post(srv.port, body, timeout), timeout=timeout) as r:

@@ -51,9 +51,11 @@ STEP_SETTINGS = ("KVCACHED_ZERO_PAGE", "KVCACHED_ALLOW_UNSUPPORTED", "KVCACHED_K
 # process, so two processes of one engine may compute other tokens. 12-06, H100, MLA under a
 # limit: the natives that loaded their compiled graph from the cache gave other tokens than
 # kvcached-limit and native-bi (which compiled theirs) in 65 of 200 at 11:27 and in none at 14:48,
-# while those two gave the very same tokens in both sessions. Token comparisons pin the choices
-# (the first valid config; no benchmark that changes numerics), in every engine alike.
-PINNED_KERNELS = {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1", "TORCHINDUCTOR_DETERMINISTIC": "1"}
+# while those two gave the very same tokens in both sessions. Token comparisons pin the choices in
+# every engine alike: Triton's first valid config (vLLM's own switch), and a reduction's config by
+# Inductor's fixed rule (that of TORCHINDUCTOR_DETERMINISTIC, whose ban on every other benchmark
+# would stop vLLM's compile: it benchmarks combo kernels, which change no numbers).
+PINNED_KERNELS = {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1", "TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS": "1"}
 
 
 def engine_env(kvcached: bool, name: str, cpu: bool, budget_fraction: float, **extra: object) -> Dict[str, str]:

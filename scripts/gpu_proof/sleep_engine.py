@@ -12,6 +12,8 @@ SGLang's memory saver move the weights to host memory while kvcached gives their
 
 1. warm-up: each model's reference prompts, greedy and one at a time (the held-back models
    start on them, each evicting the least recently used one): each model's reference tokens;
+   taken twice, the second time the check's control (an engine that differs from itself
+   without a sleep cannot show what a sleep changes);
 2. rotating stream: ``--rounds`` rounds over the models (most visits find their model
    asleep: a wake, after an eviction); a visit sends the reference prompts first, whose greedy
    tokens must equal the reference (CUDA graphs on: vLLM's and SGLang's defaults), then
@@ -33,6 +35,7 @@ sleep on a CPU): everything but the engine's own sleep, before device time is sp
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -241,14 +244,23 @@ def one(port: int, model: str, prompt: List[int], gen: int) -> Tuple[Optional[fl
         return None, False
 
 
-def reference(port: int, model: str, gen: int) -> List[List[int]]:
+_salts = itertools.count()
+
+
+def reference(port: int, model: str, gen: int, engine: str) -> List[List[int]]:
     """The model's greedy tokens for its reference prompts, one request at a time: a prompt
     alone in every step gets the same numbers from every start of the engine, while a batch
     of them is split over steps as they arrive, which changes the numbers (12-06, H100: with
-    one batch, 24 of 32 sequences differed after plain restarts, ``sleep: stop``)."""
+    one batch, 24 of 32 sequences differed after plain restarts, ``sleep: stop``). On vLLM a
+    fresh ``cache_salt`` each time: every prefill is cold, as the first one after a wake is
+    (SGLang's radix cache has no such field: a repeat there hits the cache)."""
     srv = SimpleNamespace(port=port, model=model)
     prompts = vs.token_prompts(REF_PROMPTS, 64, seed=7)
-    return [vs.stream_batch(srv, [p], gen, lambda i, done: None, timeout=900)[0] for p in prompts]
+    out = []
+    for p in prompts:
+        extra = {"cache_salt": f"reference-{next(_salts)}"} if engine == "vllm" else None
+        out.append(vs.stream_batch(srv, [p], gen, lambda i, done: None, timeout=900, extra=extra)[0])
+    return out
 
 
 def first_differences(got: List[List[int]], want: List[List[int]]) -> List[int]:
@@ -285,18 +297,21 @@ def run(a: argparse.Namespace, cfg: Dict) -> Dict:
         # 1. warm-up and references (held-back models start here, evicting the least recently used)
         t0 = time.monotonic()
         refs: Dict[str, List[List[int]]] = {}
+        control: Dict[str, List[int]] = {}  # the check's own control: the references twice, no sleep between
         for m in models:
             t1 = time.monotonic()
-            refs[m] = reference(port, m, a.ref_tokens)
-            log(f"warm-up {m}: references in {time.monotonic() - t1:.1f} s")
+            refs[m] = reference(port, m, a.ref_tokens, a.engine)
+            control[m] = first_differences(reference(port, m, a.ref_tokens, a.engine), refs[m])
+            log(f"warm-up {m}: references in {time.monotonic() - t1:.1f} s, again {len(control[m])} differ")
         res["warmup_s"] = time.monotonic() - t0
+        res["control"] = control
         # 2. rotating stream
         rot: List[Dict[str, object]] = []
         for r in range(a.rounds):
             for i, m in enumerate(models):
                 before = watch.latest.get(m, "?")
                 t1 = time.monotonic()
-                again = reference(port, m, a.ref_tokens)  # the wake's request: the tokens are checked
+                again = reference(port, m, a.ref_tokens, a.engine)  # the wake's request: the tokens are checked
                 first_s = time.monotonic() - t1
                 firsts = first_differences(again, refs[m])
                 diff = len(firsts)
@@ -368,6 +383,12 @@ def report(res: Dict, other: Optional[Dict]) -> int:
     print(f"                                   TTFT model asleep {fmt(summary(z_cold))}")
     woken = [r for r in rot if r["state_before"] != "ready"]
     bad = sum(r["token_diffs"] for r in rot)
+    unsound = sum(len(v) for v in res.get("control", {}).values())
+    if "control" in res:
+        print(
+            f"the check's control (each model's references twice before any sleep): "
+            f"{REF_PROMPTS * len(res['control'])} sequences, {unsound} differ"
+        )
     print(
         f"greedy tokens vs each model's reference: {REF_PROMPTS * len(rot)} sequences, {bad} differ; "
         f"{REF_PROMPTS * len(woken)} of them right after a wake ({len({r['model'] for r in woken})} models)"
@@ -379,7 +400,7 @@ def report(res: Dict, other: Optional[Dict]) -> int:
         print(f"compare: wake p50/p99 {a.sleep} {fmt(summary(wakes))} | {o.sleep} {fmt(summary(ow))}")
         print(f"         cold-request TTFT {a.sleep} {fmt(summary(z_cold))} | {o.sleep} {fmt(summary(oz))}")
     print(f"{failed} requests failed; router exit status {res['router_rc']} after SIGTERM")
-    ok = not failed and not bad and res["router_rc"] == 0 and bool(woken)
+    ok = not failed and not bad and not unsound and res["router_rc"] == 0 and bool(woken)
     return 0 if ok else 1
 
 

@@ -78,3 +78,7 @@ def test_report_reads_a_finished_run_and_sets_the_status_from_its_checks(tmp_pat
     assert "wakes by engine: n=2 " in out and "compare: wake p50/p99 engine" in out and "| stop n=2 " in out
     (tmp_path / "engine" / "sleep_engine.json").write_text(json.dumps(_run("engine", [0.5], diffs=1)))
     assert sleep_engine.main(argv) == 1
+    unsound = {**_run("engine", [0.5]), "control": {"m0": [], "m1": [12]}}  # m1 differed from itself
+    (tmp_path / "engine" / "sleep_engine.json").write_text(json.dumps(unsound))
+    assert sleep_engine.main(argv) == 1
+    assert "references twice before any sleep): 16 sequences, 1 differ" in capsys.readouterr().out
