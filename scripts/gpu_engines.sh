@@ -187,9 +187,10 @@ for step in "${steps[@]}"; do
     correctness) run "$step" $proof/correctness.py --model "$big" --prompts 200 --kv 22G \
       --only native,kvcached,native-2 --control --at-once "$(fits 42)" ;;
     # native-held decides under a limit: kvcached-limit's block count out of tensors of kvcached-limit's
-    # size. On 12-06 (vLLM 0.29, H100) native-small (tensors of the limit's size) gave tokens other than
-    # kvcached-limit's from step 1 with one schedule, and other than native-small-2's in none: the
-    # tensors' size changes the numbers there, not the pool.
+    # size. On 12-06 11:27 (vLLM 0.29, H100) native-small gave tokens other than kvcached-limit's from
+    # step 1 with one schedule, and other than native-small-2's in none: both small natives had loaded
+    # their compiled graph from the cache, kvcached-limit compiled its own (kernel configs picked per
+    # process: PINNED_KERNELS, pinned since).
     correctness-limit) run "$step" $proof/correctness.py --model "$big" --prompts 200 \
       --only native-bi,kvcached-limit,native-held,native-small --control --at-once "$(fits 30)" ;;
     # vLLM's native KV offloading (--kv-offloading-size) on every engine: the copies are fenced
@@ -210,8 +211,9 @@ for step in "${steps[@]}"; do
     # Qwen3-Next's 272 KiB blocks do not divide a 2 MiB page: some pages hold fewer blocks, and under
     # a limit kvcached's free count is the worst case of which pages map next, so the schedules
     # differed from step 0 (12-04, 12-05). MLA: an 18 MiB page (9 x 2 MiB), 2016M (whole pages of its
-    # 4 layers) gave one schedule on 12-06 (native-small: 65 of 200 other tokens from step 5, 55 of
-    # them before any recompute; native-bi, tensors of kvcached's size: 3, each after one).
+    # 4 layers) gave one schedule on 12-06: at 11:27 native-small differed in 65 of 200 from step 5
+    # (its own kernel configs: at 14:48, with the same tokens from kvcached-limit, in none), native-bi
+    # (unlimited, another schedule) in 3, each after a recompute.
     mla-limit) KVCACHED_PAGE_SIZE=18874368 run "$step" $proof/correctness.py --model "$mla" --prompts 200 \
       --kv 2016M --limit 216M --only native-bi,kvcached-limit,native-held,native-small --control ;;
     # vLLM 0.26 picks FlashInfer's GDN prefill on SM90, whose CuTe DSL kernel this image lacks:

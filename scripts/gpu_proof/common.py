@@ -207,6 +207,12 @@ def write_json(path: str, obj: object) -> None:
     os.replace(tmp, path)
 
 
+def first_differing_token(x: Sequence[int], y: Sequence[int]) -> int:
+    """The index of the first token where two greedy outputs differ (the shorter one's
+    length where it is a prefix of the other)."""
+    return next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+
+
 def percentile(xs: Sequence[float], q: float) -> Optional[float]:
     if not xs:
         return None

@@ -42,7 +42,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PINNED_KERNELS, engine_env, kvctl, log, write_json  # noqa: E402
+from common import PINNED_KERNELS, engine_env, first_differing_token, kvctl, log, write_json  # noqa: E402
 
 
 def make_prompts(n: int, vocab: int, cpu: bool, seed: int = 7) -> Tuple[List[List[int]], List[int]]:
@@ -387,8 +387,7 @@ def compare(x: List[List[int]], y: List[List[int]], scheds: Tuple[str, str] | No
     if not bad:
         return 0, ""
     i = bad[0]
-    j = next((k for k, (p, q) in enumerate(zip(x[i], y[i])) if p != q), min(len(x[i]), len(y[i])))
-    where = f"first: sequence {i} at token {j} of {len(x[i])}"
+    where = f"first: sequence {i} at token {first_differing_token(x[i], y[i])} of {len(x[i])}"
     if scheds and all(os.path.exists(s) for s in scheds):
         cx, cy = (prefill_chunks(s) for s in scheds)
         split = sum(cx.get(k) != cy.get(k) for k in bad)

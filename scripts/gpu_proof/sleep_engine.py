@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     GIB,
     PINNED_KERNELS,
+    first_differing_token,
     log,
     percentile,
     router_budget,
@@ -264,12 +265,8 @@ def reference(port: int, model: str, gen: int, engine: str) -> List[List[int]]:
 
 
 def first_differences(got: List[List[int]], want: List[List[int]]) -> List[int]:
-    """For each sequence that differs, the index of its first token that does (-1: lengths)."""
-    out = []
-    for x, y in zip(got, want):
-        if x != y:
-            out.append(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), -1))
-    return out
+    """For each sequence that differs, the index of its first token that does."""
+    return [first_differing_token(x, y) for x, y in zip(got, want) if x != y]
 
 
 def where(firsts: List[int]) -> str:
