@@ -22,7 +22,6 @@ import http.client
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,14 +31,9 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from kvcached.bench._table import print_table
+from kvcached.router.supervisor import free_port
 
 START_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pct(samples: List[float], q: float) -> float:
@@ -116,7 +110,7 @@ class _Router:
     """``python -m kvcached.router serve`` over one echo engine on a known port."""
 
     def __init__(self, workdir: str) -> None:
-        self.engine_port, self.port = _free_port(), _free_port()
+        self.engine_port, self.port = free_port(), free_port()
         py = os.path.join(workdir, "echo-python")
         with open(py, "w") as f:
             f.write(f'#!/bin/sh\nexec {sys.executable} -m kvcached.bench.echo_engine "$@"\n')

@@ -23,6 +23,10 @@ SLEEP_CALLS: Dict[str, Tuple[Tuple[str, str, object], Tuple[str, str, object]]] 
 # asserts an idle scheduler (a failed assertion there ends the scheduler); its flush waits for
 # idle up to the timeout, answers 400 when requests remain, and drops only what the release drops.
 IDLE_CALLS: Dict[str, Tuple[str, str, object]] = {"sglang": ("POST", "/flush_cache?timeout=30", None)}
+# The highest port an engine starts on, by engine. SGLang 0.5.15 derives a gRPC port of --port +
+# 10000 and exits at start-up when it is above 65535, gRPC or not (ServerArgs; 0.5.16 checks it
+# only in gRPC mode). The router cannot tell the engine's release: every SGLang gets the bound.
+HIGHEST_PORT: Dict[str, int] = {"sglang": 65535 - 10000}
 
 
 def engine_command(spec: ModelSpec, host: str, port: int) -> List[str]:

@@ -113,6 +113,8 @@ class StopSleep(SleepMode):
         if not engine.spawn(state=WAKING):
             raise SleepError("the router is shutting down")
         if not engine.wait_healthy(timeout):
+            if not engine.alive():
+                raise SleepError(f"engine exited during its restart (log {engine.log_path})")
             raise SleepError(f"engine not healthy within {timeout:.0f} s of its restart")
 
 

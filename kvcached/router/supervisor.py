@@ -18,6 +18,7 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,7 +27,7 @@ import time
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from kvcached.router.config import ModelSpec
-from kvcached.router.engines import engine_command, engine_env
+from kvcached.router.engines import HIGHEST_PORT, engine_command, engine_env
 from kvcached.router.logfiles import open_log
 from kvcached.router.peer_check import CheckedConnection, EngineSockets, NotTheEngine
 
@@ -46,10 +47,19 @@ HEALTH_FAILURES = 3  # failed checks in a row before a running engine counts as 
 HEALTH_TIMEOUT_S = 5.0  # a busy engine on a loaded host may answer /health slowly
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", highest: int = 65535) -> int:
+    """A port free on ``host`` now, at most ``highest``: the system's pick while it is low
+    enough (most are: the ephemeral range starts at 32768), else a random one below."""
+    for attempt in range(256):
+        with socket.socket() as s:
+            try:
+                s.bind((host, 0 if attempt < 8 else random.randint(1024, highest)))
+            except OSError:  # taken
+                continue
+            port = s.getsockname()[1]
+            if port <= highest:
+                return port
+    raise OSError(f"no free port at most {highest} on {host}")
 
 
 def http_call(
@@ -134,7 +144,7 @@ class ModelEngine:
         with self.cond:
             if self.closed:
                 return False
-            port = self.spec.port or free_port(self.host)
+            port = self.spec.port or free_port(self.host, HIGHEST_PORT.get(self.spec.engine, 65535))
             cmd = engine_command(self.spec, self.host, port)
             env: Dict[str, str] = engine_env(self.spec, self.kvcached_env)
             with os.fdopen(open_log(self.log_path), "ab") as logf:

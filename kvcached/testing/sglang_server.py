@@ -15,7 +15,9 @@ import time
 import urllib.request
 from typing import Any, Dict, List, Sequence, Tuple
 
-from kvcached.testing.vllm_server import Server, free_port, metrics, wait_healthy  # noqa: F401  (re-exported)
+from kvcached.router.engines import HIGHEST_PORT
+from kvcached.router.supervisor import free_port
+from kvcached.testing.vllm_server import Server, metrics, wait_healthy  # noqa: F401  (re-exported)
 
 
 def start_server(
@@ -28,7 +30,7 @@ def start_server(
 ) -> Server:
     """``python -m sglang.launch_server --model-path MODEL`` on a free loopback port with
     ``args`` (the caller's settings), logging to ``log_dir/<name>.log``."""
-    port = free_port()
+    port = free_port(highest=HIGHEST_PORT["sglang"])
     log_path = os.path.join(log_dir, f"{name}.log")
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port)]
     cmd += args

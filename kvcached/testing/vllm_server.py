@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from kvcached.router.supervisor import free_port  # noqa: F401  (re-exported)
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -65,12 +66,6 @@ def engine_env(kvcached: bool, name: Optional[str] = None, **extra: object) -> D
             env["KVCACHED_IPC_NAME"] = name
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -258,13 +253,21 @@ def stream_batch(
                 continue
             for c in json.loads(line[5:]).get("choices", ()):
                 i = int(c["index"])
+                if "token_ids" not in c and c.get("text"):
+                    # SGLang before 0.5.17 streams text only: an empty list here would compare equal.
+                    raise RuntimeError(
+                        f"the server on port {srv.port} streams no token_ids (return_token_ids): its greedy "
+                        "tokens cannot be compared; use vLLM or SGLang 0.5.17+"
+                    )
                 out[i].extend(c.get("token_ids") or ())
                 on_token(i, c.get("finish_reason") is not None)
     return out
 
 
 def stream(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float = 300) -> Tuple[float, float, int]:
-    """Streams a greedy completion: (time to first token, total time, output tokens)."""
+    """Streams a greedy completion: (time to first token, total time, output tokens). The
+    count is the server's own (the usage chunk): a text chunk may hold several tokens
+    (SGLang before 0.5.17 sends no token ids)."""
     body = {
         "model": srv.model,
         "prompt": prompt_ids,
@@ -273,23 +276,27 @@ def stream(srv: Server, prompt_ids: List[int], max_tokens: int, timeout: float =
         "ignore_eos": True,
         "stream": True,
         "return_token_ids": True,
+        "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
     ttft = None
     n = 0
+    usage: Optional[int] = None
     with urllib.request.urlopen(_post(srv.port, body, timeout), timeout=timeout) as r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                usage = int(chunk["usage"].get("completion_tokens", 0))
             for c in chunk.get("choices", ()):
                 got = len(c.get("token_ids") or ()) or (1 if c.get("text") else 0)
                 if got and ttft is None:
                     ttft = time.perf_counter() - t0
                 n += got
     total = time.perf_counter() - t0
-    return (ttft if ttft is not None else total), total, n
+    return (ttft if ttft is not None else total), total, (n if usage is None else usage)
 
 
 def metrics(srv: Server) -> Dict[str, float]:

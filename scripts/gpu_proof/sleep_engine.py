@@ -248,18 +248,19 @@ def one(port: int, model: str, prompt: List[int], gen: int) -> Tuple[Optional[fl
 _salts = itertools.count()
 
 
-def reference(port: int, model: str, gen: int, engine: str) -> List[List[int]]:
+def reference(port: int, model: str, gen: int) -> List[List[int]]:
     """The model's greedy tokens for its reference prompts, one request at a time: a prompt
     alone in every step gets the same numbers from every start of the engine, while a batch
     of them is split over steps as they arrive, which changes the numbers (12-06, H100: with
-    one batch, 24 of 32 sequences differed after plain restarts, ``sleep: stop``). On vLLM a
-    fresh ``cache_salt`` each time: every prefill is cold, as the first one after a wake is
-    (SGLang's radix cache has no such field: a repeat there hits the cache)."""
+    one batch, 24 of 32 sequences differed after plain restarts, ``sleep: stop``). A fresh
+    ``cache_salt`` each time (vLLM's prefix cache and SGLang's radix cache, 0.5.15+, key on it):
+    every prefill is cold, as the first one after a wake is; a warm repeat would run other
+    kernels (an extend over a cached prefix) than the cold reference."""
     srv = SimpleNamespace(port=port, model=model)
     prompts = vs.token_prompts(REF_PROMPTS, 64, seed=7)
     out = []
     for p in prompts:
-        extra = {"cache_salt": f"reference-{next(_salts)}"} if engine == "vllm" else None
+        extra = {"cache_salt": f"reference-{next(_salts)}"}
         out.append(vs.stream_batch(srv, [p], gen, lambda i, done: None, timeout=900, extra=extra)[0])
     return out
 
@@ -297,8 +298,8 @@ def run(a: argparse.Namespace, cfg: Dict) -> Dict:
         control: Dict[str, List[int]] = {}  # the check's own control: the references twice, no sleep between
         for m in models:
             t1 = time.monotonic()
-            refs[m] = reference(port, m, a.ref_tokens, a.engine)
-            control[m] = first_differences(reference(port, m, a.ref_tokens, a.engine), refs[m])
+            refs[m] = reference(port, m, a.ref_tokens)
+            control[m] = first_differences(reference(port, m, a.ref_tokens), refs[m])
             log(f"warm-up {m}: references in {time.monotonic() - t1:.1f} s, again {len(control[m])} differ")
         res["warmup_s"] = time.monotonic() - t0
         res["control"] = control
@@ -308,7 +309,7 @@ def run(a: argparse.Namespace, cfg: Dict) -> Dict:
             for i, m in enumerate(models):
                 before = watch.latest.get(m, "?")
                 t1 = time.monotonic()
-                again = reference(port, m, a.ref_tokens, a.engine)  # the wake's request: the tokens are checked
+                again = reference(port, m, a.ref_tokens)  # the wake's request: the tokens are checked
                 first_s = time.monotonic() - t1
                 firsts = first_differences(again, refs[m])
                 diff = len(firsts)

@@ -8,9 +8,14 @@ failure paths (a failed wake, nothing evictable) end in a restart or a bounded 5
 from __future__ import annotations
 
 import json
+import socket
+import threading
 
+import pytest
+
+from kvcached.router.engines import HIGHEST_PORT
 from kvcached.router.router import holds_weights
-from kvcached.router.supervisor import ASLEEP, READY
+from kvcached.router.supervisor import ASLEEP, READY, free_port
 from router_helpers import complete, request, wait_for
 
 SLEEPY = {"args": ["--enable-sleep-mode"], "idle_seconds": 300, "kvcached": True}
@@ -93,3 +98,46 @@ def test_an_sglang_engine_that_is_not_idle_is_not_put_to_sleep_and_stays_ready(r
     busy.unlink()
     wait_for(lambda: e.state == ASLEEP, "s asleep once idle")
     assert e.restarts == 0
+
+
+def _ephemeral_low() -> int:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        return int(f.read().split()[0])
+
+
+def test_free_port_below_the_systems_range_is_a_free_port_below_it():
+    highest = _ephemeral_low() - 1  # the system never picks one this low itself
+    port = free_port(highest=highest)
+    assert 1024 <= port <= highest
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free
+
+
+def test_an_sglang_engine_is_started_on_a_port_its_release_accepts(running, monkeypatch):
+    """SGLang 0.5.15 exits at start on a port above 55535 (the system picks one of those
+    about once in five): the router picks below the engine's highest port. Here the highest is
+    below the system's range, so the system's own pick would fail every start."""
+    highest = _ephemeral_low() - 1
+    if highest < 2048:
+        pytest.skip("the system's port range starts too low to leave room below it")
+    monkeypatch.setitem(HIGHEST_PORT, "sglang", highest)
+    monkeypatch.setenv("STANDIN_HIGHEST_PORT", str(highest))
+    r = running([{"name": "s", "engine": "sglang"}])
+    r.ready()
+    e = r.router.engines["s"]
+    assert e.restarts == 0 and e.port <= highest
+    assert complete(r.port, "s")[0] == 200
+
+
+def test_a_stop_wake_whose_engine_exits_says_so_and_the_restart_serves(running, monkeypatch, tmp_path, caplog):
+    fail = tmp_path / "start-fails"
+    monkeypatch.setenv("STANDIN_FAIL_FILE", str(fail))
+    r = running([{"name": "a", "idle_seconds": 0.3, "sleep": "stop"}], restart_backoff_s=0.5)
+    r.ready()
+    wait_for(lambda: r.router.engines["a"].state == ASLEEP, "a asleep (stopped)")
+    fail.write_text("")  # the restart exits at once
+    with caplog.at_level("ERROR", logger="kvcached.router"):
+        threading.Timer(0.3, fail.unlink).start()  # the next restart comes up
+        status, _ = complete(r.port, "a")
+    assert status == 200
+    assert any("engine exited during its restart (log " in m for m in caplog.messages), caplog.messages

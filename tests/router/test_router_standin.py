@@ -14,6 +14,8 @@ Environment: ``STANDIN_START_DELAY`` seconds before it listens;
 ``STANDIN_GATE``: a stream's second event waits until ``POST /open_gate``;
 ``STANDIN_WAKE_FAIL_FILE``: while that file exists the wake endpoints answer 500;
 ``STANDIN_BUSY_FILE``: while that file exists ``/flush_cache`` answers 400 (not idle);
+``STANDIN_HIGHEST_PORT``: started as SGLang on a port above it, the process exits 1 at start
+(as SGLang 0.5.15 does above 55535: its derived gRPC port would pass 65535);
 a request whose prompt is ``crash`` kills the process before it answers (after a
 line in ``STANDIN_CRASH_LOG``, when set).
 """
@@ -129,6 +131,8 @@ def main(argv) -> None:
     if os.path.exists(os.environ.get("STANDIN_FAIL_FILE", "/nonexistent")):
         sys.exit(3)
     port = int(argv[argv.index("--port") + 1])
+    if "sglang.launch_server" in argv and port > int(os.environ.get("STANDIN_HIGHEST_PORT", "65535")):
+        sys.exit(f"ValueError: SGLANG_GRPC_PORT ({port + 10000}) must be between 1 and 65535")
     _State.name = argv[argv.index("--served-model-name") + 1]
     time.sleep(float(os.environ.get("STANDIN_START_DELAY", "0")))
     while os.environ.get("STANDIN_BIND_GATE") and not os.path.exists(os.environ["STANDIN_BIND_GATE"]):

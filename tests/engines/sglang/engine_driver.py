@@ -149,27 +149,14 @@ class EngineClient:
         self.engine.shutdown()
 
 
-def free_port() -> int:
-    """A free local port below 55536: SGLang before 0.5.16 opens a gRPC port at port + 10000."""
-    import random
-    import socket
-
-    for _ in range(200):
-        port = random.randint(20000, 55000)
-        with socket.socket() as sk:
-            try:
-                sk.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-55000")
-
-
 class ServerClient:
     """``python -m sglang.launch_server`` (the user's unchanged command) over HTTP."""
 
     def __init__(self, cfg: Dict[str, Any], kw: Dict[str, Any], env: Optional[Dict[str, str]] = None) -> None:
-        self.port = free_port()
+        from kvcached.router.engines import HIGHEST_PORT
+        from kvcached.router.supervisor import free_port
+
+        self.port = free_port(highest=HIGHEST_PORT["sglang"])  # 0.5.15: port + 10000 must be a port too
         flags = [
             "--model-path",
             cfg["model"],
@@ -283,6 +270,25 @@ class ServerClient:
         self.log.close()
 
 
+def openai_stream(client: ServerClient, model: str) -> Dict[str, Any]:
+    """The GPU proof's OpenAI client (``kvcached.testing.vllm_server``) against this server:
+    the tokens ``stream`` counts, and ``stream_batch``'s token ids (or why it refused: SGLang
+    before 0.5.17 streams text only), beside ``/generate``'s for the same ids."""
+    from types import SimpleNamespace
+
+    from kvcached.testing import vllm_server as vs
+
+    srv, ids, n = SimpleNamespace(port=client.port, model=model), [1, 17, 29, 43, 58, 71], 12
+    out: Dict[str, Any] = {"max_tokens": n, "counted": vs.stream(srv, ids, n)[2]}
+    try:
+        out["ids"] = vs.stream_batch(srv, [ids], n, lambda i, done: None)[0]
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    out["generate_ids"] = client._req("/generate", {"input_ids": ids, "sampling_params": params})[1]["output_ids"]
+    return out
+
+
 LIMITS_WORKER = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "helpers", "limits_worker.py"
 )
@@ -374,6 +380,8 @@ def main() -> int:
         # W1: three short prompts.
         outs = client.generate(PROMPTS, SHORT)
         res["w1"] = [o["output_ids"] for o in outs]
+        if cfg.get("server"):
+            res["openai_stream"] = openai_stream(client, cfg["model"])
         # W2: prefix cache: a 41-token prompt, again (hit), flush, again (miss).
         first = client.generate(LONG_PROMPT, SHORT)
         again = client.generate(LONG_PROMPT, SHORT)

@@ -287,6 +287,18 @@ def test_kvctl_limit_lowered_mid_run_keeps_serving(runs, ps: int) -> None:
     assert any(x.get("name") == r["record_name"] and x.get("engine") == "sglang" for x in rows), listed
 
 
+def test_the_proof_scripts_stream_client_counts_and_compares_right(runs) -> None:
+    """``kvcached.testing.vllm_server`` against this server: ``stream`` counts every generated
+    token (0.5.15 streams several in one text chunk); ``stream_batch`` gives /generate's ids, or
+    refuses in one line where the server streams no ids (an empty list would compare equal)."""
+    s = runs["kvcached-16"]["openai_stream"]
+    assert s["counted"] == s["max_tokens"], s
+    if sglang_version() < (0, 5, 17):
+        assert "streams no token_ids" in s["refused"], s
+    else:
+        assert s["ids"] == s["generate_ids"] and len(s["ids"]) == s["max_tokens"], s
+
+
 def test_server_run_is_the_unchanged_command(runs) -> None:
     r = runs["kvcached-16"]
     log = r["log"]
