@@ -32,8 +32,13 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 ENGINES = ("vllm", "sglang")
 SLEEP_MODES = ("auto", "engine", "stop", "kv")
-# The option each engine needs before its own sleep endpoints do anything.
-ENGINE_SLEEP_FLAG = {"vllm": "--enable-sleep-mode", "sglang": "--enable-memory-saver"}
+# The options each engine needs for its own sleep to keep the model: vLLM's sleep mode; SGLang's
+# memory saver and the host copy of its weights (without it the release drops the weights and the
+# resume maps empty memory in their place: the woken model would answer, wrongly).
+ENGINE_SLEEP_FLAGS: Dict[str, Tuple[str, ...]] = {
+    "vllm": ("--enable-sleep-mode",),
+    "sglang": ("--enable-memory-saver", "--enable-weights-cpu-backup"),
+}
 
 _TOP_KEYS = {
     "max_awake",
@@ -81,10 +86,14 @@ class ModelSpec:
 
     def sleep_mode(self) -> str:
         """``sleep`` with ``auto`` resolved: the engine's own sleep when it was started
-        able to sleep (its flag in ``args``), else the process is stopped."""
+        able to sleep and wake as it was (its options in ``args``), else the process is stopped."""
         if self.sleep != "auto":
             return self.sleep
-        return "engine" if ENGINE_SLEEP_FLAG[self.engine] in self.args else "stop"
+        return "stop" if self.missing_sleep_flags() else "engine"
+
+    def missing_sleep_flags(self) -> List[str]:
+        """The options of ``ENGINE_SLEEP_FLAGS`` this engine's ``args`` lack."""
+        return [f for f in ENGINE_SLEEP_FLAGS[self.engine] if f not in self.args]
 
 
 @dataclass(frozen=True)
@@ -253,9 +262,13 @@ def _parse_model(raw: Any, where: str, base_dir: str, fail) -> ModelSpec:
         kvcached=kvcached,
     )
     mode = spec.sleep_mode()
-    flag = ENGINE_SLEEP_FLAG[engine]
-    if mode == "engine" and flag not in args:
-        raise fail(where, f"sleep: engine needs {flag} in 'args' (the {engine} engine sleeps only with it)")
+    missing = spec.missing_sleep_flags()
+    if mode == "engine" and missing:
+        raise fail(
+            where,
+            f"sleep: engine needs {' and '.join(missing)} in 'args' (the {engine} engine sleeps and wakes "
+            "with its weights only with them)",
+        )
     if mode == "kv" and not kvcached:
         raise fail(where, "sleep: kv gives the KV cache back through kvcached; it needs kvcached: true")
     return spec

@@ -9,8 +9,8 @@
 * ``engine``: the engine's own sleep (vLLM ``POST /sleep?level=1`` /
   ``POST /wake_up``; SGLang ``/release_memory_occupation`` /
   ``/resume_memory_occupation``): the weights go to host memory, the process
-  stays. Needs the engine's sleep option (``--enable-sleep-mode``,
-  ``--enable-memory-saver``: GPU only). With kvcached the engine gives its KV
+  stays. Needs the engine's sleep options (``--enable-sleep-mode``;
+  ``--enable-memory-saver --enable-weights-cpu-backup``: GPU only). With kvcached the engine gives its KV
   pages back itself as part of that sleep (kvcached's engine patches: nothing is
   mapped but the null block's page, the limit stays as the operator set it) and
   maps on demand again after the wake; the router only reads the record after.

@@ -64,11 +64,11 @@ from common import (  # noqa: E402
     write_json,
 )
 
+from kvcached.router.config import ENGINE_SLEEP_FLAGS  # noqa: E402
 from kvcached.router.supervisor import free_port  # noqa: E402
 from kvcached.testing import vllm_server as vs  # noqa: E402
 from kvcached.units import format_size, parse_size  # noqa: E402
 
-SLEEP_FLAG = {"vllm": "--enable-sleep-mode", "sglang": "--enable-memory-saver"}
 PROCESS_HOST_BYTES = 3 * GIB  # what one engine process holds in host memory besides offloaded weights
 REF_PROMPTS = 8
 
@@ -128,7 +128,7 @@ def config(a: argparse.Namespace, port: int, dev: int) -> Dict:
             path=a.engine_path,
             # Explicit KV bytes: vLLM reads the utilization only in its start-up check of free memory.
             vllm_gpu_args=["--gpu-memory-utilization", str(a.gpu_utilization), "--max-num-seqs", "64"],
-            extra_args=[SLEEP_FLAG[a.engine]] if a.sleep == "engine" else [],
+            extra_args=list(ENGINE_SLEEP_FLAGS[a.engine]) if a.sleep == "engine" else [],
             # The references are checked across processes in the stop arm (a restart) and after
             # every start: kernel configs picked by timing would differ between them.
             env=dict(PINNED_KERNELS) if a.engine == "vllm" else None,

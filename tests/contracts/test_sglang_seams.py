@@ -478,6 +478,10 @@ PATCHES: Dict[str, List[Item]] = {
             "--enable-memory-saver",
             fields_declared(SA, "ServerArgs", ["enable_memory_saver"], "sglang.srt.arg_groups.fields"),
         ),
+        item(
+            "--enable-weights-cpu-backup (the router's sleep: engine requires it: the release keeps the weights)",
+            fields_declared(SA, "ServerArgs", ["enable_weights_cpu_backup"], "sglang.srt.arg_groups.fields"),
+        ),
     ],
 }
 

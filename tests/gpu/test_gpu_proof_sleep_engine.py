@@ -41,6 +41,19 @@ def test_dry_run_writes_a_config_the_router_accepts(tmp_path):
     assert 0 < cfg["kvcached"]["gpu_utilization"] < 0.2  # the shared KV budget, 16 GiB of 139
 
 
+def test_sglang_engines_keep_their_weights_through_the_release(tmp_path):
+    """SGLang's memory saver drops the weights at a release unless they have a host copy: the
+    step's engines get both options, and the router's own check accepts the config."""
+    out = tmp_path / "out"
+    shape = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(shape))  # the 8B's: SGLang's KV tokens come from it
+    argv = ["--model", str(tmp_path), "--out", str(out), "--dry-run", "--engine", "sglang", "--device-gib", "79.6"]
+    assert sleep_engine.main(argv + ["--weights-gib", "14.96"]) == 0
+    m = json.loads((out / "router.json").read_text())["models"][0]
+    assert m["sleep"] == "engine" and m["engine"] == "sglang"
+    assert "--enable-memory-saver" in m["args"] and "--enable-weights-cpu-backup" in m["args"]
+
+
 def test_cpu_refuses_engine_sleep_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match="neither engine can sleep on a CPU"):
         sleep_engine.main(["--model", str(tmp_path), "--out", str(tmp_path / "o"), "--cpu", "--sleep", "engine"])

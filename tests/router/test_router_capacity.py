@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from kvcached.router.config import ENGINE_SLEEP_FLAGS
 from kvcached.router.engines import HIGHEST_PORT
 from kvcached.router.router import holds_weights
 from kvcached.router.supervisor import ASLEEP, READY, free_port
@@ -89,7 +90,7 @@ def test_an_sglang_engine_that_is_not_idle_is_not_put_to_sleep_and_stays_ready(r
     busy = tmp_path / "busy"
     busy.write_text("")
     monkeypatch.setenv("STANDIN_BUSY_FILE", str(busy))
-    r = running([{"name": "s", "engine": "sglang", "args": ["--enable-memory-saver"], "idle_seconds": 0.3}])
+    r = running([{"name": "s", "engine": "sglang", "args": list(ENGINE_SLEEP_FLAGS["sglang"]), "idle_seconds": 0.3}])
     r.ready()
     e = r.router.engines["s"]
     wait_for(lambda: "/flush_cache?timeout=30" in _stats(r, "s")["calls"], "an idle check")

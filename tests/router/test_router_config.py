@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvcached.router.config import ConfigError, load_config, parse_config
+from kvcached.router.config import ENGINE_SLEEP_FLAGS, ConfigError, load_config, parse_config
 from kvcached.router.engines import engine_command, engine_env
 from repo_paths import ROOT
 
@@ -98,7 +98,16 @@ def test_engine_command_and_environment(tmp_path):
         ([{"idle_seconds": 0}], {}, "idle_seconds must be > 0"),
         ([{"sleep": "deep"}], {}, "unknown sleep 'deep'"),
         ([{"sleep": "engine"}], {}, "sleep: engine needs --enable-sleep-mode in 'args'"),
-        ([{"sleep": "engine", "engine": "sglang"}], {}, "sleep: engine needs --enable-memory-saver in 'args'"),
+        (
+            [{"sleep": "engine", "engine": "sglang"}],
+            {},
+            "sleep: engine needs --enable-memory-saver and --enable-weights-cpu-backup in 'args'",
+        ),
+        (
+            [{"sleep": "engine", "engine": "sglang", "args": ["--enable-memory-saver"]}],
+            {},
+            "sleep: engine needs --enable-weights-cpu-backup in 'args' (the sglang engine sleeps and wakes with",
+        ),
         ([{"sleep": "kv", "kvcached": False}], {}, "sleep: kv gives the KV cache back through kvcached"),
         ([{"args": ["--port", "1"]}], {}, "sets --port, which the router sets"),
         ([{"colour": "red"}], {}, "unknown key 'colour'"),
@@ -119,6 +128,13 @@ def test_bad_config_is_one_line_naming_the_fix(tmp_path, models, top, needle):
     assert needle in msg and "\n" not in msg and msg.startswith("config c.json: ")
 
 
+def test_auto_stops_an_sglang_engine_whose_release_would_drop_its_weights(tmp_path):
+    """SGLang's memory saver without the weights' host copy frees the weights for good: a
+    woken engine would serve from empty memory, so ``auto`` stops that engine instead."""
+    cfg = parse_config({"models": [_model(tmp_path, engine="sglang", args=["--enable-memory-saver"])]})
+    assert cfg.models[0].sleep_mode() == "stop"
+
+
 @pytest.mark.parametrize("kvcached", [True, False])
 def test_engine_sleep_is_accepted_with_and_without_kvcached(tmp_path, kvcached):
     cfg = parse_config(
@@ -126,7 +142,7 @@ def test_engine_sleep_is_accepted_with_and_without_kvcached(tmp_path, kvcached):
             "max_awake": 2,
             "models": [
                 _model(tmp_path, name="v", args=["--enable-sleep-mode"], kvcached=kvcached),
-                _model(tmp_path, name="s", engine="sglang", args=["--enable-memory-saver"], kvcached=kvcached),
+                _model(tmp_path, name="s", engine="sglang", args=list(ENGINE_SLEEP_FLAGS["sglang"]), kvcached=kvcached),
             ],
         }
     )

@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from kvcached.router.config import parse_config
+from kvcached.router.config import ENGINE_SLEEP_FLAGS, parse_config
 from kvcached.router.router import idle_due
 from kvcached.router.supervisor import ASLEEP, READY, ModelEngine, free_port
 from repo_paths import ROOT
@@ -99,7 +99,7 @@ def test_engine_sleep_calls_the_engines_own_endpoints(running):
     r = running(
         [
             {"name": "v", "args": ["--enable-sleep-mode"], "idle_seconds": 0.3},
-            {"name": "s", "engine": "sglang", "args": ["--enable-memory-saver"], "idle_seconds": 0.3},
+            {"name": "s", "engine": "sglang", "args": list(ENGINE_SLEEP_FLAGS["sglang"]), "idle_seconds": 0.3},
         ]
     )
     r.ready()
