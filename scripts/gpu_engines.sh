@@ -92,8 +92,9 @@
 #                (sleep_engine.py: rotating and Zipf streams, wake p50/p99, TTFT, greedy tokens
 #                after wakes = before); sleep-engine-stop the same with `sleep: stop` (restarts;
 #                fewer models, the wake is a restart either way), printed beside sleep-engine's
-#   sglang-sleep-engine  sleep-engine with SGLang 0.5.17 (`--enable-memory-saver --enable-weights-cpu-backup`: torch_memory_saver
-#                moves the weights, kvcached the KV), printed beside vLLM's sleep-engine
+#   sglang-sleep-engine  sleep-engine with SGLang 0.5.17 (`--enable-memory-saver
+#                --enable-weights-cpu-backup`: torch_memory_saver moves the weights to host memory
+#                and back, kvcached the KV), printed beside vLLM's sleep-engine
 # Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
 #   STEP@SET runs STEP with engine set SET's site directory (PYTHONPATH=/tmp/sc-SET, e.g.
 #   correctness@vllm029: vLLM 0.29); STEP.N is STEP again under its own name (tables, work folder),

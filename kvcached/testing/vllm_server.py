@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvcached.router.supervisor import free_port  # noqa: F401  (re-exported)
+from kvcached.router.supervisor import free_port
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -137,8 +137,10 @@ def test_a_stop_wake_whose_engine_exits_says_so_and_the_restart_serves(running, 
     r.ready()
     wait_for(lambda: r.router.engines["a"].state == ASLEEP, "a asleep (stopped)")
     fail.write_text("")  # the restart exits at once
-    with caplog.at_level("ERROR", logger="kvcached.router"):
-        threading.Timer(0.3, fail.unlink).start()  # the next restart comes up
-        status, _ = complete(r.port, "a")
+    said = lambda: any("engine exited during its restart (log " in m for m in caplog.messages)  # noqa: E731
+    with caplog.at_level("ERROR", logger="kvcached.router"), ThreadPoolExecutor(1) as ex:
+        asked = ex.submit(complete, r.port, "a")
+        wait_for(said, "the failed wake's line")
+        fail.unlink()  # the next restart comes up; the request waits for it
+        status, _ = asked.result()
     assert status == 200
-    assert any("engine exited during its restart (log " in m for m in caplog.messages), caplog.messages
