@@ -82,6 +82,9 @@
 #   sglang-gemma3           the Gemma 3 model: native vs kvcached vs native-2 (SGLang serves Gemma 3
 #                from one pool, the window a mask)
 #   sglang-fp8              the 1B model with --kv-cache-dtype fp8_e4m3: native vs kvcached vs native-2
+#   sglang-gemma3-limit, sglang-fp8-limit
+#                the two above under a kvctl limit of a quarter to a third of the load's need
+#                (deterministic inference; native-small, native with the limit's tokens, the control)
 # Both engines (each its own site directory: both sets copied):
 #   mixed        a vLLM and an SGLang server sharing one KV budget, bursts alternating between
 #                them, vs a static split of the same memory; want -> give-back both ways
@@ -309,6 +312,12 @@ for step in "${steps[@]}"; do
     # --kv counts bf16 bytes (--max-total-tokens from the model's bf16 row): 6G = 196k tokens, 3 GiB in fp8.
     sglang-fp8) run_sglang "$step" $proof/sglang_correctness.py --model "$small" --prompts 200 --kv 6G \
       --only native,kvcached,native-2 -- --kv-cache-dtype fp8_e4m3 ;;
+    # The 200 prompts need ~176k tokens: 512M holds 43k of Gemma 3's (12 KiB each, as gemma3-limit's
+    # 512M on vLLM), 1G of FP8 KV 64k of the 1B's (16 KiB each).
+    sglang-gemma3-limit) run_sglang "$step" $proof/sglang_correctness.py --model "$gemma3" --prompts 200 --kv 3G \
+      --limit 512M --only native-det,kvcached-limit,native-small ;;
+    sglang-fp8-limit) run_sglang "$step" $proof/sglang_correctness.py --model "$small" --prompts 200 --kv 6G \
+      --limit 1G --only native-det,kvcached-limit,native-small -- --kv-cache-dtype fp8_e4m3 ;;
     mixed) PYTHONPATH=$vllm_path run "$step" $proof/mixed_engines.py --model "$small" "${both[@]}" \
       --plot "$OUT/gpu_mixed_engines.png" ;;
     router-mixed) PYTHONPATH=$vllm_path run "$step" $proof/router_three.py --model "$small" \
@@ -319,7 +328,7 @@ for step in "${steps[@]}"; do
         --plot "$OUT/gpu_sleep_engine.png" ;;
     sglang-sleep-engine) run_sglang "$step" $proof/sleep_engine.py --engine sglang --model "$big" --sleep engine \
       --compare "$WORK/sleep-engine/sleep_engine.json" --plot "$OUT/gpu_sleep_engine_sglang.png" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-fp8 mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine)" >&2
+    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-gemma3-limit sglang-fp8 sglang-fp8-limit mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine)" >&2
        exit 2 ;;
   esac
   export PYTHONPATH=$given_path

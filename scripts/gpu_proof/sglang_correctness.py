@@ -57,12 +57,26 @@ PAIRS = (
 DECIDING = {("native", "kvcached"), ("native-det", "kvcached-limit")}
 
 
+def kv_dtype_bytes(extra: List[str], cpu: bool) -> int:
+    """Bytes of one KV element with ``extra``'s ``--kv-cache-dtype`` (FP8: 1), else the model's dtype."""
+    for i, arg in enumerate(extra):
+        value = arg.split("=", 1)[1] if arg.startswith("--kv-cache-dtype=") else None
+        if arg == "--kv-cache-dtype" and i + 1 < len(extra):
+            value = extra[i + 1]
+        if value and value.startswith("fp8"):
+            return 1
+    return 4 if cpu else 2
+
+
 def start_all(a: argparse.Namespace, engines: List[tuple], kv: int, limit: str, tag: int) -> Dict[str, ss.Server]:
     """Every server of ``engines``, side by side; returns them by label (started, not yet healthy)."""
     per_token = kv_token_bytes(a.model, 4 if a.cpu else 2)
+    # --kv counts model-dtype bytes, the limit KV bytes as kvcached maps them: with an FP8 KV
+    # cache native-small gets as many tokens as the limit holds, not half (or a quarter) of them.
+    small_bytes = parse_size(limit) * (4 if a.cpu else 2) // kv_dtype_bytes(a.extra, a.cpu)
     servers: Dict[str, ss.Server] = {}
     for label, kvc, det, limited, small in engines:
-        size = parse_size(limit) if small else kv
+        size = small_bytes if small else kv
         extra = {"KVCACHED_ALLOW_UNSUPPORTED": "1"} if kvc and a.allow_unsupported else {}
         # SGLang's CPU backend has no deterministic mode; float32 there is batch-stable enough for the dry run.
         det = det and not a.cpu
