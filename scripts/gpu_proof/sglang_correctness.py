@@ -70,10 +70,11 @@ def kv_dtype_bytes(extra: List[str], cpu: bool) -> int:
 
 def start_all(a: argparse.Namespace, engines: List[tuple], kv: int, limit: str, tag: int) -> Dict[str, ss.Server]:
     """Every server of ``engines``, side by side; returns them by label (started, not yet healthy)."""
-    per_token = kv_token_bytes(a.model, 4 if a.cpu else 2)
+    model_bytes = 4 if a.cpu else 2
+    per_token = kv_token_bytes(a.model, model_bytes)
     # --kv counts model-dtype bytes, the limit KV bytes as kvcached maps them: with an FP8 KV
     # cache native-small gets as many tokens as the limit holds, not half (or a quarter) of them.
-    small_bytes = parse_size(limit) * (4 if a.cpu else 2) // kv_dtype_bytes(a.extra, a.cpu)
+    small_bytes = parse_size(limit) * model_bytes // kv_dtype_bytes(a.extra, a.cpu)
     servers: Dict[str, ss.Server] = {}
     for label, kvc, det, limited, small in engines:
         size = small_bytes if small else kv
