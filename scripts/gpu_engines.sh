@@ -97,7 +97,9 @@
 #                fewer models, the wake is a restart either way), printed beside sleep-engine's
 #   sglang-sleep-engine  sleep-engine with SGLang 0.5.17 (`--enable-memory-saver
 #                --enable-weights-cpu-backup`: torch_memory_saver moves the weights to host memory
-#                and back, kvcached the KV), printed beside vLLM's sleep-engine
+#                and back, kvcached the KV), printed beside vLLM's sleep-engine;
+#                sglang-sleep-engine-retain the same with TMS_RETAIN_CPU_BACKUP=1 (torch_memory_saver
+#                keeps each host copy across cycles), printed beside sglang-sleep-engine
 # Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
 #   STEP@SET runs STEP with engine set SET's site directory (PYTHONPATH=/tmp/sc-SET, e.g.
 #   correctness@vllm029: vLLM 0.29); STEP.N is STEP again under its own name (tables, work folder),
@@ -328,7 +330,11 @@ for step in "${steps[@]}"; do
         --plot "$OUT/gpu_sleep_engine.png" ;;
     sglang-sleep-engine) run_sglang "$step" $proof/sleep_engine.py --engine sglang --model "$big" --sleep engine \
       --compare "$WORK/sleep-engine/sleep_engine.json" --plot "$OUT/gpu_sleep_engine_sglang.png" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-gemma3-limit sglang-fp8 sglang-fp8-limit mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine)" >&2
+    # 12-06: every release took 5.3 s (a fresh pinned host copy each time?): the same with the copy kept.
+    sglang-sleep-engine-retain) run_sglang "$step" $proof/sleep_engine.py --engine sglang --model "$big" --sleep engine \
+      --engine-env TMS_RETAIN_CPU_BACKUP=1 --compare "$WORK/sglang-sleep-engine/sleep_engine.json" \
+      --plot "$OUT/gpu_sleep_engine_sglang_retain.png" ;;
+    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-gemma3-limit sglang-fp8 sglang-fp8-limit mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine sglang-sleep-engine-retain)" >&2
        exit 2 ;;
   esac
   export PYTHONPATH=$given_path

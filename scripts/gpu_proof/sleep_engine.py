@@ -131,11 +131,17 @@ def config(a: argparse.Namespace, port: int, dev: int) -> Dict:
             extra_args=list(ENGINE_SLEEP_FLAGS[a.engine]) if a.sleep == "engine" else [],
             # The references are checked across processes in the stop arm (a restart) and after
             # every start: kernel configs picked by timing would differ between them.
-            env=dict(PINNED_KERNELS) if a.engine == "vllm" else None,
+            env={**(PINNED_KERNELS if a.engine == "vllm" else {}), **a.engine_env} or None,
         )
         for m in names(a.models)
     ]
     return router_config(a.out, port, router_budget(a.kv, a.cpu, dev), models, max_awake=a.max_awake)
+
+
+def keeps_host_copies(a: argparse.Namespace) -> bool:
+    """Whether every engine keeps its weights' host copy while awake too (torch_memory_saver's
+    ``TMS_RETAIN_CPU_BACKUP``), not only while asleep."""
+    return a.engine == "sglang" and a.engine_env.get("TMS_RETAIN_CPU_BACKUP", "0") not in ("", "0", "false")
 
 
 def plan_checks(a: argparse.Namespace, dev: int) -> Tuple[List[str], Optional[str]]:
@@ -149,15 +155,18 @@ def plan_checks(a: argparse.Namespace, dev: int) -> Tuple[List[str], Optional[st
     ]
     if a.models * w <= dev:
         lines.append(f"note: the weights fit the device ({format_size(a.models * w)} <= {format_size(dev)})")
-    need = (asleep * w if a.sleep == "engine" else 0) + a.models * PROCESS_HOST_BYTES
+    # TMS_RETAIN_CPU_BACKUP: SGLang's memory saver keeps each host copy after the resume too.
+    backups = a.models if keeps_host_copies(a) else asleep
+    need = (backups * w if a.sleep == "engine" else 0) + a.models * PROCESS_HOST_BYTES
     have = host_available()
     lines.append(
-        f"host memory: ~{format_size(need)} needed (sleeping weights + processes), {format_size(have)} available"
+        f"host memory: ~{format_size(need)} needed ({backups} models' host weights + processes), "
+        f"{format_size(have)} available"
     )
     why = None
     if not a.cpu and need > have * 0.95:
         why = (
-            f"the host cannot hold {asleep} sleeping models' weights and {a.models} engine processes "
+            f"the host cannot hold {backups} models' weights and {a.models} engine processes "
             f"(~{format_size(need)} > {format_size(have)} available): lower --models or raise --max-awake"
         )
     if not a.cpu and a.max_awake * w + a.kv > dev * 0.95:
@@ -395,11 +404,20 @@ def report(res: Dict, other: Optional[Dict]) -> int:
         o = SimpleNamespace(**other["config"])
         ow = [s for _, s, mode in other["transitions"]["wakes"] if mode == o.sleep]
         oz = [t for _, st, t, ok in other["zipf"] if t is not None and st != "ready"]
-        print(f"compare: wake p50/p99 {a.sleep} {fmt(summary(wakes))} | {o.sleep} {fmt(summary(ow))}")
-        print(f"         cold-request TTFT {a.sleep} {fmt(summary(z_cold))} | {o.sleep} {fmt(summary(oz))}")
+        mine, theirs = arm_name(res["config"]), arm_name(other["config"])
+        print(f"compare: wake p50/p99 {mine} {fmt(summary(wakes))} | {theirs} {fmt(summary(ow))}")
+        print(f"         cold-request TTFT {mine} {fmt(summary(z_cold))} | {theirs} {fmt(summary(oz))}")
+        osleeps = [s for _, s, _ in other["transitions"]["sleeps"]]
+        print(f"         sleeps {mine} {fmt(summary(sleeps))} | {theirs} {fmt(summary(osleeps))}")
     print(f"{failed} requests failed; router exit status {res['router_rc']} after SIGTERM")
     ok = not failed and not bad and not unsound and res["router_rc"] == 0 and bool(woken)
     return 0 if ok else 1
+
+
+def arm_name(c: Dict) -> str:
+    """A run's name in the comparison: engine, sleep mode and the engines' extra variables."""
+    env = "".join(f", {k}={v}" for k, v in (c.get("engine_env") or {}).items())
+    return f"{c.get('engine', 'vllm')} sleep: {c['sleep']}{env}"
 
 
 def plot(res: Dict, other: Optional[Dict], path: str) -> None:
@@ -427,9 +445,9 @@ def plot(res: Dict, other: Optional[Dict], path: str) -> None:
             ts = sorted(t for _, st, t, _ in r["zipf"] if t is not None and (st == "ready") == (state == "awake"))
             if ts:
                 ys = [(k + 1) / len(ts) for k in range(len(ts))]
-                label = f"sleep: {mode}, model {state} (n={len(ts)})"
+                label = f"{arm_name(c)}, model {state} (n={len(ts)})"
                 right.step(ts, ys, where="post", ls=style, color=color, label=label)
-    left.set_xticks(range(len(arms)), [f"sleep: {r['config']['sleep']}\n{r['config']['models']} models, "
+    left.set_xticks(range(len(arms)), [f"{arm_name(r['config'])}\n{r['config']['models']} models, "
                                        f"{r['config']['max_awake']} awake" for r in arms])  # fmt: skip
     left.set_yscale("log")
     left.set_ylabel("wake, s (router: asked -> serving)")
@@ -464,6 +482,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--sleep", choices=("engine", "stop"), default=None, help="default engine (--cpu: stop)")
     ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     ap.add_argument("--engine-python", default=sys.executable, help="the interpreter that has the engine")
+    ap.add_argument(
+        "--engine-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable of every engine (repeatable; e.g. TMS_RETAIN_CPU_BACKUP=1)",
+    )
     ap.add_argument("--engine-path", default=None, help="the engines' PYTHONPATH (default: ours)")
     ap.add_argument(
         "--kv", default=None, help="shared KV budget, also each engine's virtual KV (default 16G; --cpu 32M)"
@@ -496,6 +521,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(os.path.join(a.out, "sleep_engine.json")) as f:
             return finish(json.load(f), a)
     cpu = a.cpu
+    if not all("=" in kv and kv.split("=", 1)[0] for kv in a.engine_env):
+        raise SystemExit(f"--engine-env takes KEY=VALUE, got {a.engine_env}")
+    a.engine_env = dict(kv.split("=", 1) for kv in a.engine_env)
     a.sleep = a.sleep or ("stop" if cpu else "engine")
     if cpu and a.sleep == "engine":
         raise SystemExit(

@@ -88,10 +88,39 @@ def test_report_reads_a_finished_run_and_sets_the_status_from_its_checks(tmp_pat
     argv = ["--model", str(tmp_path), "--out", str(tmp_path / "engine"), "--report"]
     assert sleep_engine.main(argv + ["--compare", str(tmp_path / "stop" / "sleep_engine.json")]) == 0
     out = capsys.readouterr().out
-    assert "wakes by engine: n=2 " in out and "compare: wake p50/p99 engine" in out and "| stop n=2 " in out
+    assert "wakes by engine: n=2 " in out and "compare: wake p50/p99 vllm sleep: engine" in out
+    assert "| vllm sleep: stop n=2 " in out
     (tmp_path / "engine" / "sleep_engine.json").write_text(json.dumps(_run("engine", [0.5], diffs=1)))
     assert sleep_engine.main(argv) == 1
     unsound = {**_run("engine", [0.5]), "control": {"m0": [], "m1": [12]}}  # m1 differed from itself
     (tmp_path / "engine" / "sleep_engine.json").write_text(json.dumps(unsound))
     assert sleep_engine.main(argv) == 1
     assert "references twice before any sleep): 16 sequences, 1 differ" in capsys.readouterr().out
+
+
+def test_engine_env_reaches_every_engine_and_a_kept_host_copy_is_planned_for(tmp_path, capsys):
+    """``TMS_RETAIN_CPU_BACKUP=1`` (the A/B of SGLang's release time): every engine gets it, and
+    the host must hold every model's weights, the awake ones' copies too."""
+    out = tmp_path / "out"
+    shape = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    argv = ["--model", str(tmp_path), "--out", str(out), "--dry-run", "--engine", "sglang", "--device-gib", "79.6"]
+    argv += ["--weights-gib", "14.96"]
+    assert sleep_engine.main(argv) == 0
+    assert "(3 models' host weights" in capsys.readouterr().out  # 6 models, 3 awake: the sleeping ones
+    assert sleep_engine.main(argv + ["--engine-env", "TMS_RETAIN_CPU_BACKUP=1"]) == 0
+    assert "(6 models' host weights" in capsys.readouterr().out
+    models = json.loads((out / "router.json").read_text())["models"]
+    assert all(m["env"].get("TMS_RETAIN_CPU_BACKUP") == "1" for m in models)
+
+
+def test_engine_env_without_a_key_is_refused_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="--engine-env takes KEY=VALUE"):
+        sleep_engine.main(["--model", str(tmp_path), "--out", str(tmp_path / "o"), "--engine-env", "=1"])
+
+
+def test_the_comparison_names_each_arm_by_engine_mode_and_variables():
+    assert sleep_engine.arm_name({"engine": "sglang", "sleep": "engine"}) == "sglang sleep: engine"
+    retain = {"engine": "sglang", "sleep": "engine", "engine_env": {"TMS_RETAIN_CPU_BACKUP": "1"}}
+    assert sleep_engine.arm_name(retain) == "sglang sleep: engine, TMS_RETAIN_CPU_BACKUP=1"
+    assert sleep_engine.arm_name({"sleep": "stop"}) == "vllm sleep: stop"  # a run from before --engine
