@@ -141,7 +141,7 @@ def config(a: argparse.Namespace, port: int, dev: int) -> Dict:
 def keeps_host_copies(a: argparse.Namespace) -> bool:
     """Whether every engine keeps its weights' host copy while awake too (torch_memory_saver's
     ``TMS_RETAIN_CPU_BACKUP``), not only while asleep."""
-    return a.engine == "sglang" and a.engine_env.get("TMS_RETAIN_CPU_BACKUP", "0") not in ("", "0", "false")
+    return a.engine == "sglang" and a.engine_env.get("TMS_RETAIN_CPU_BACKUP", "").lower() not in ("", "0", "false")
 
 
 def plan_checks(a: argparse.Namespace, dev: int) -> Tuple[List[str], Optional[str]]:
@@ -155,7 +155,6 @@ def plan_checks(a: argparse.Namespace, dev: int) -> Tuple[List[str], Optional[st
     ]
     if a.models * w <= dev:
         lines.append(f"note: the weights fit the device ({format_size(a.models * w)} <= {format_size(dev)})")
-    # TMS_RETAIN_CPU_BACKUP: SGLang's memory saver keeps each host copy after the resume too.
     backups = a.models if keeps_host_copies(a) else asleep
     need = (backups * w if a.sleep == "engine" else 0) + a.models * PROCESS_HOST_BYTES
     have = host_available()
