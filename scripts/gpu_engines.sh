@@ -82,6 +82,8 @@
 #   sglang-gemma3           the Gemma 3 model: native vs kvcached vs native-2 (SGLang serves Gemma 3
 #                from one pool, the window a mask)
 #   sglang-fp8              the 1B model with --kv-cache-dtype fp8_e4m3: native vs kvcached vs native-2
+#   sglang-hybrid           the Qwen3-Next model (KVCACHED_ALLOW_UNSUPPORTED=1: refused by default):
+#                native vs kvcached vs native-2
 #   sglang-gemma3-limit, sglang-fp8-limit
 #                the two above under a kvctl limit of a quarter to a third of the load's need
 #                (deterministic inference; native-small, native with the limit's tokens, the control)
@@ -320,6 +322,9 @@ for step in "${steps[@]}"; do
       --limit 512M --only native-det,kvcached-limit,native-small ;;
     sglang-fp8-limit) run_sglang "$step" $proof/sglang_correctness.py --model "$small" --prompts 200 --kv 6G \
       --limit 1G --only native-det,kvcached-limit,native-small -- --kv-cache-dtype fp8_e4m3 ;;
+    # SGLang refuses hybrid state on a GPU until a run says identical (families.py): this is that run.
+    sglang-hybrid) run_sglang "$step" $proof/sglang_correctness.py --model "$hybrid" --allow-unsupported --prompts 200 \
+      --kv 2G --only native,kvcached,native-2 ;;
     mixed) PYTHONPATH=$vllm_path run "$step" $proof/mixed_engines.py --model "$small" "${both[@]}" \
       --plot "$OUT/gpu_mixed_engines.png" ;;
     router-mixed) PYTHONPATH=$vllm_path run "$step" $proof/router_three.py --model "$small" \
@@ -334,7 +339,7 @@ for step in "${steps[@]}"; do
     sglang-sleep-engine-retain) run_sglang "$step" $proof/sleep_engine.py --engine sglang --model "$big" --sleep engine \
       --engine-env TMS_RETAIN_CPU_BACKUP=1 --compare "$WORK/sglang-sleep-engine/sleep_engine.json" \
       --plot "$OUT/gpu_sleep_engine_sglang_retain.png" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-gemma3-limit sglang-fp8 sglang-fp8-limit mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine sglang-sleep-engine-retain)" >&2
+    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-gemma3-limit sglang-fp8 sglang-fp8-limit sglang-hybrid mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine sglang-sleep-engine-retain)" >&2
        exit 2 ;;
   esac
   export PYTHONPATH=$given_path
