@@ -151,7 +151,10 @@ class RouterProc:
                 for c in json.loads(line[5:])["choices"]:
                     tokens += c.get("token_ids") or []
         conn.close()
-        assert done and events > 1  # streamed, not one answer
+        # How many events is the engine's timing: vLLM merges deltas its API server has not
+        # sent yet (RequestOutputCollector), so one event is a valid stream. That the router
+        # passes each event on as it arrives is test_router_proxy.py's paced-upstream test.
+        assert done and events >= 1
         return tokens
 
     def metrics(self):
