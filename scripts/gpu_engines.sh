@@ -102,9 +102,10 @@
 #                and back, kvcached the KV), printed beside vLLM's sleep-engine;
 #                sglang-sleep-engine-retain the same with TMS_RETAIN_CPU_BACKUP=1 (torch_memory_saver
 #                keeps each host copy across cycles), printed beside sglang-sleep-engine
-#   sglang-sleep-ab      the same A/B, shorter: two models, one awake, three
-#                rounds (every visit a sleep and a wake, each model slept three times);
-#                sglang-sleep-ab-retain with TMS_RETAIN_CPU_BACKUP=1, printed beside it (same session)
+#   sleep-small, sglang-sleep-small  the token check after wakes and the sleeps in less device
+#                time: two models, one awake, three rounds (every visit a wake after the other
+#                model's sleep); sglang-sleep-small-retain with TMS_RETAIN_CPU_BACKUP=1, printed
+#                beside sglang-sleep-small (same session, after it)
 # Usage: bash scripts/gpu_engines.sh [step ...]   (default: every step, in this order)
 #   STEP@SET runs STEP with engine set SET's site directory (PYTHONPATH=/tmp/sc-SET, e.g.
 #   correctness@vllm029: vLLM 0.29); STEP.N is STEP again under its own name (tables, work folder),
@@ -342,15 +343,19 @@ for step in "${steps[@]}"; do
     sglang-sleep-engine-retain) run_sglang "$step" $proof/sleep_engine.py --engine sglang --model "$big" --sleep engine \
       --engine-env TMS_RETAIN_CPU_BACKUP=1 --compare "$WORK/sglang-sleep-engine/sleep_engine.json" \
       --plot "$OUT/gpu_sleep_engine_sglang_retain.png" ;;
-    # What decides the A/B is the sleeps after a model's first: two models, one awake, so that each
-    # of the six visits puts the other to sleep; the weights need not exceed the GPU for that.
-    sglang-sleep-ab|sglang-sleep-ab-retain)
-      ab=(--engine sglang --model "$big" --sleep engine --models 2 --max-awake 1 --rounds 3 --rate 1 --zipf-seconds 20)
-      if [ "$base" = sglang-sleep-ab ]; then more=(--plot "$OUT/gpu_sleep_ab.png"); else
-        more=(--engine-env TMS_RETAIN_CPU_BACKUP=1 --compare "$WORK/sglang-sleep-ab/sleep_engine.json"
-          --plot "$OUT/gpu_sleep_ab_retain.png"); fi
-      run_sglang "$step" $proof/sleep_engine.py "${ab[@]}" "${more[@]}" ;;
-    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-gemma3-limit sglang-fp8 sglang-fp8-limit sglang-hybrid mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine sglang-sleep-engine-retain sglang-sleep-ab sglang-sleep-ab-retain)" >&2
+    # The sleeps after a model's first and the tokens after each wake decide these: two models,
+    # one awake, so that each of the six visits wakes one after the other's sleep (the weights
+    # need not exceed the GPU for that).
+    sleep-small|sglang-sleep-small|sglang-sleep-small-retain)
+      small=(--model "$big" --sleep engine --models 2 --max-awake 1 --rounds 3 --rate 1 --zipf-seconds 20
+        --plot "$OUT/gpu_${base//-/_}.png")
+      case "$base" in
+        sleep-small) run "$step" $proof/sleep_engine.py "${small[@]}" ;;
+        sglang-sleep-small) run_sglang "$step" $proof/sleep_engine.py --engine sglang "${small[@]}" ;;
+        *) run_sglang "$step" $proof/sleep_engine.py --engine sglang "${small[@]}" --engine-env TMS_RETAIN_CPU_BACKUP=1 \
+          --compare "$WORK/sglang-sleep-small/sleep_engine.json" ;;
+      esac ;;
+    *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-gemma3-limit sglang-fp8 sglang-fp8-limit sglang-hybrid mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine sglang-sleep-engine-retain sleep-small sglang-sleep-small sglang-sleep-small-retain)" >&2
        exit 2 ;;
   esac
   export PYTHONPATH=$given_path
