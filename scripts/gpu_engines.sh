@@ -132,6 +132,7 @@ small="$WORK/models/llama3-1b"
 mla="$WORK/models/deepseek-v2-mla"
 hybrid="$WORK/models/qwen3-next"
 hybrid_real="$WORK/models/qwen3-next-real"
+hybrid_sglang="$WORK/models/qwen3-next-sglang"  # SGLang's layout: every layer MoE, attention by interval
 gemma3="$WORK/models/gemma3"
 gemma4="$WORK/models/gemma4"
 proof=scripts/gpu_proof
@@ -185,6 +186,8 @@ for step in "${steps[@]}"; do
         --gpu-shapes --vocab-size 32000 || rc=1
       [ -f "$hybrid_real/config.json" ] || python3 -m kvcached.testing.tiny_families qwen3_next "$hybrid_real" \
         --real-shapes --vocab-size 32000 || rc=1
+      [ -f "$hybrid_sglang/config.json" ] || python3 -m kvcached.testing.tiny_families qwen3_next "$hybrid_sglang" \
+        --gpu-shapes --sglang --vocab-size 32000 || rc=1
       for m in "$gemma3:gemma3" "$gemma4:gemma4"; do
         dir=${m%%:*}
         [ -f "$dir/config.json" ] || python3 -m kvcached.testing.tiny_families "${m##*:}" "$dir" \
@@ -327,7 +330,8 @@ for step in "${steps[@]}"; do
     sglang-fp8-limit) run_sglang "$step" $proof/sglang_correctness.py --model "$small" --prompts 200 --kv 6G \
       --limit 1G --only native-det,kvcached-limit,native-small -- --kv-cache-dtype fp8_e4m3 ;;
     # SGLang refuses hybrid state on a GPU until a run says identical (families.py): this is that run.
-    sglang-hybrid) run_sglang "$step" $proof/sglang_correctness.py --model "$hybrid" --allow-unsupported --prompts 200 \
+    # vLLM's tiny Qwen3-Next does not load in SGLang (no full_attention_interval; dense MLPs).
+    sglang-hybrid) run_sglang "$step" $proof/sglang_correctness.py --model "$hybrid_sglang" --allow-unsupported --prompts 200 \
       --kv 2G --only native,kvcached,native-2 ;;
     mixed) PYTHONPATH=$vllm_path run "$step" $proof/mixed_engines.py --model "$small" "${both[@]}" \
       --plot "$OUT/gpu_mixed_engines.png" ;;

@@ -368,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="qwen3_next: the real model's layer sizes (state blocks larger than the 2 MiB page)",
     )
+    ap.add_argument(
+        "--sglang",
+        action="store_true",
+        help="the layout SGLang's model class loads (qwen3_next: every layer MoE); vLLM's by default",
+    )
     a = ap.parse_args(argv)
     path = build_tiny_family(
         a.outdir,
@@ -377,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=a.vocab_size,
         gpu_shapes=a.gpu_shapes,
         real_shapes=a.real_shapes,
+        sglang=a.sglang,
     )
     print(path)
     return 0

@@ -71,6 +71,18 @@ def test_every_builder_is_a_tiny_model_and_every_tiny_model_a_familys():
             assert case.engine in families.ENGINES and case.builder in f.builders, (f.key, case)
 
 
+def test_the_tiny_family_command_builds_each_engines_layout(monkeypatch, tmp_path):
+    """``--sglang`` reaches the builder: vLLM's tiny Qwen3-Next does not load in SGLang (no
+    ``full_attention_interval``, dense MLPs), so the GPU step of SGLang builds its own."""
+    from kvcached.testing import tiny_families
+
+    calls = []
+    monkeypatch.setattr(tiny_families, "build_tiny_family", lambda path, family, **kw: calls.append(kw) or path)
+    for flags in ([], ["--sglang"]):
+        assert tiny_families.main(["qwen3_next", str(tmp_path), "--gpu-shapes", *flags]) == 0
+    assert [(kw["sglang"], kw["gpu_shapes"]) for kw in calls] == [(False, True), (True, True)]
+
+
 def _workload_keys(path: str) -> set:
     """The keys of the dict literal assigned to ``WORKLOADS`` in a test module."""
     for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
