@@ -351,12 +351,12 @@ for step in "${steps[@]}"; do
     # one awake, so that each of the six visits wakes one after the other's sleep (the weights
     # need not exceed the GPU for that).
     sleep-small|sglang-sleep-small|sglang-sleep-small-retain)
-      small=(--model "$big" --sleep engine --models 2 --max-awake 1 --rounds 3 --rate 1 --zipf-seconds 20
+      sleep_args=(--model "$big" --sleep engine --models 2 --max-awake 1 --rounds 3 --rate 1 --zipf-seconds 20
         --plot "$OUT/gpu_${base//-/_}.png")
       case "$base" in
-        sleep-small) run "$step" $proof/sleep_engine.py "${small[@]}" ;;
-        sglang-sleep-small) run_sglang "$step" $proof/sleep_engine.py --engine sglang "${small[@]}" ;;
-        *) run_sglang "$step" $proof/sleep_engine.py --engine sglang "${small[@]}" --engine-env TMS_RETAIN_CPU_BACKUP=1 \
+        sleep-small) run "$step" $proof/sleep_engine.py "${sleep_args[@]}" ;;
+        sglang-sleep-small) run_sglang "$step" $proof/sleep_engine.py --engine sglang "${sleep_args[@]}" ;;
+        *) run_sglang "$step" $proof/sleep_engine.py --engine sglang "${sleep_args[@]}" --engine-env TMS_RETAIN_CPU_BACKUP=1 \
           --compare "$WORK/sglang-sleep-small/sleep_engine.json" ;;
       esac ;;
     *) echo "unknown step $step (suite model limits correctness correctness-limit offload offload-limit offload-idle mla mla-limit hybrid hybrid-eager hybrid-sync hybrid-ro hybrid-real hybrid-limit gemma3 gemma3-limit gemma3-limit-ro gemma3-limit-eager gemma3-limit-sync gemma3-limit-loose gemma4 gemma4-limit fp8 fp8-limit overhead three three-margin three-small three-keep router borrow sglang-correctness sglang-correctness-p16 sglang-correctness-limit sglang-hicache sglang-limits sglang-overhead sglang-mla sglang-gemma3 sglang-gemma3-limit sglang-fp8 sglang-fp8-limit sglang-hybrid mixed router-mixed sleep-engine sleep-engine-stop sglang-sleep-engine sglang-sleep-engine-retain sleep-small sglang-sleep-small sglang-sleep-small-retain)" >&2
