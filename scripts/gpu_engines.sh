@@ -31,8 +31,8 @@
 #                MLA's recompute is not bit-equal), on 18 MiB pages every block divides (see the step)
 #   hybrid       the same as mla for a small Qwen3-Next (gated-delta-net state and attention KV in
 #                one elastic pool), and native-dirty (native whose KV memory starts as noise, as a
-#                fresh kvcached page does); kvcached refuses it on a GPU until it matches native, so
-#                the hybrid steps serve it with KVCACHED_ALLOW_UNSUPPORTED=1 (--allow-unsupported)
+#                fresh kvcached page does); vLLM's kvcached refuses it on a GPU until it matches native
+#                on the H200 too, so the vLLM hybrid steps serve it with KVCACHED_ALLOW_UNSUPPORTED=1
 #   hybrid-eager, hybrid-sync
 #                the same pair without CUDA graphs / without async scheduling: which one the
 #                2026-12-04 difference (docs/GPU.md) needs
@@ -82,7 +82,7 @@
 #   sglang-gemma3           the Gemma 3 model: native vs kvcached vs native-2 (SGLang serves Gemma 3
 #                from one pool, the window a mask)
 #   sglang-fp8              the 1B model with --kv-cache-dtype fp8_e4m3: native vs kvcached vs native-2
-#   sglang-hybrid           the Qwen3-Next model (KVCACHED_ALLOW_UNSUPPORTED=1: refused by default):
+#   sglang-hybrid           the Qwen3-Next model (SGLang's layout), served by default since its 12-07 run:
 #                native vs kvcached vs native-2
 #   sglang-gemma3-limit, sglang-fp8-limit
 #                the two above under a kvctl limit of a quarter to a third of the load's need
@@ -329,9 +329,9 @@ for step in "${steps[@]}"; do
       --limit 512M --only native-det,kvcached-limit,native-small ;;
     sglang-fp8-limit) run_sglang "$step" $proof/sglang_correctness.py --model "$small" --prompts 200 --kv 6G \
       --limit 1G --only native-det,kvcached-limit,native-small -- --kv-cache-dtype fp8_e4m3 ;;
-    # SGLang refuses hybrid state on a GPU until a run says identical (families.py): this is that run.
-    # vLLM's tiny Qwen3-Next does not load in SGLang (no full_attention_interval; dense MLPs).
-    sglang-hybrid) run_sglang "$step" $proof/sglang_correctness.py --model "$hybrid_sglang" --allow-unsupported --prompts 200 \
+    # SGLang's hybrid state is served on a GPU since this run was identical (12-07, families.py): by
+    # default here. vLLM's tiny Qwen3-Next does not load in SGLang (no full_attention_interval; dense MLPs).
+    sglang-hybrid) run_sglang "$step" $proof/sglang_correctness.py --model "$hybrid_sglang" --prompts 200 \
       --kv 2G --only native,kvcached,native-2 ;;
     mixed) PYTHONPATH=$vllm_path run "$step" $proof/mixed_engines.py --model "$small" "${both[@]}" \
       --plot "$OUT/gpu_mixed_engines.png" ;;

@@ -139,13 +139,15 @@ def test_vllm_refuses_a_family_refused_everywhere_naming_its_feature(fam):
 
 
 def test_a_family_refused_on_a_device_kind_is_refused_there_by_both_engines(monkeypatch):
-    """Qwen3-Next's state: proven on the CPU engines, refused on a GPU by vLLM's worker and
-    SGLang's state pool alike, each naming the table's reason."""
+    """A family's state refused on a GPU for both engines (Qwen3-Next's, as it stood until
+    SGLang's GPU run): refused by vLLM's worker and SGLang's state pool alike, each naming
+    the table's reason; served on the CPU."""
     from kvcached.integration.sglang import conflicts
     from kvcached.integration.vllm import kv_layout
 
     monkeypatch.delenv("KVCACHED_ALLOW_UNSUPPORTED", raising=False)
-    hybrid = families.family("hybrid_state")
+    hybrid = dataclasses.replace(families.family("hybrid_state"), sglang_gpu=families.refused("not run on a GPU"))
+    monkeypatch.setattr(families, "FAMILIES", tuple(hybrid if f.key == hybrid.key else f for f in families.FAMILIES))
     cfg = _kv_config(_spec("FullAttentionSpec"), _spec("MambaSpec"))
     with pytest.raises(InvalidArgumentError) as e:
         kv_layout.refuse_unproven_on_device(cfg, "cuda:0")
@@ -159,6 +161,20 @@ def test_a_family_refused_on_a_device_kind_is_refused_there_by_both_engines(monk
     conflicts.refuse_unproven_on_device("MHATokenToKVPool", "cuda:0")
     monkeypatch.setenv("KVCACHED_ALLOW_UNSUPPORTED", "1")
     conflicts.refuse_unproven_on_device("MambaPool", "cuda:0")
+
+
+def test_a_gpu_status_is_per_engine(monkeypatch):
+    """Qwen3-Next's state on a GPU as the table has it: SGLang's run was identical to native
+    (served), vLLM's are owed on the H200 (refused); each engine reads its own cell."""
+    from kvcached.integration.sglang import conflicts
+    from kvcached.integration.vllm import kv_layout
+
+    monkeypatch.delenv("KVCACHED_ALLOW_UNSUPPORTED", raising=False)
+    hybrid = families.family("hybrid_state")
+    assert hybrid.sglang_gpu.state == families.PROVEN and hybrid.vllm_gpu.state == families.REFUSED
+    conflicts.refuse_unproven_on_device("MambaPool", "cuda:0")
+    with pytest.raises(InvalidArgumentError, match=r"state on a GPU yet \(on the H200"):
+        kv_layout.refuse_unproven_on_device(_kv_config(_spec("FullAttentionSpec"), _spec("MambaSpec")), "cuda:0")
 
 
 def test_a_new_family_is_one_entry(monkeypatch):

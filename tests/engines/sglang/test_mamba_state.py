@@ -12,6 +12,8 @@ slots only, within the limit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from sglang_versions import UNIT_PAGE, sglang_version
@@ -313,11 +315,18 @@ def test_a_slot_larger_than_a_page_and_unsupported_options_stop_start_up_with_on
     assert "--enable-linear-replayssm" in str(err.value) and "\n" not in str(err.value)
     assert elastic_groups() == []  # nothing was built half way
 
-    # On a GPU, as vLLM's state blocks: not proven there yet, refused unless asked for.
+    # On a GPU the family table decides: SGLang's state pool is served there (its GPU run gave
+    # native's tokens); a device kind the table refuses stops start-up in one line.
+    from kvcached.integration import families
     from kvcached.integration.sglang.mamba import _refuse_options
 
+    monkeypatch.delenv("KVCACHED_ALLOW_UNSUPPORTED", raising=False)
+    _refuse_options("cuda:0", {})
+    hybrid = dataclasses.replace(families.family("hybrid_state"), sglang_gpu=families.refused("not run on a GPU"))
+    monkeypatch.setattr(families, "FAMILIES", tuple(hybrid if f.key == hybrid.key else f for f in families.FAMILIES))
     with pytest.raises(UnsupportedConfigurationError) as err:
         _refuse_options("cuda:0", {})
-    assert "not supported on a GPU yet" in str(err.value) and "KVCACHED_ALLOW_UNSUPPORTED=1" in str(err.value)
+    assert "not supported on a GPU yet (not run on a GPU)" in str(err.value)
+    assert "KVCACHED_ALLOW_UNSUPPORTED=1" in str(err.value)
     monkeypatch.setenv("KVCACHED_ALLOW_UNSUPPORTED", "1")
     _refuse_options("cuda:0", {})
