@@ -9,6 +9,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVCACHED_TEST_VENV:-.venvs/kvcached}"
 bash scripts/setup_env.sh "$VENV"
+# The engine venvs (cached outside the clone) are made in the background meanwhile: on a cold
+# machine their downloads overlap the lint and the main suite (scripts/prepare_engine_venvs.sh;
+# its own process group, ended with this script; a venv cut off half-way is made again).
+if [ "${KVCACHED_ENGINE_TESTS:-1}" != "0" ]; then
+  mkdir -p .venvs/logs
+  setsid bash scripts/prepare_engine_venvs.sh > .venvs/logs/prepare_engine_venvs.log 2>&1 < /dev/null &
+  prepare=$!
+  trap 'kill -- -"$prepare" 2>/dev/null || true' EXIT
+fi
 # The Prometheus server for the metrics test (Debian package; the test skips without it).
 bash scripts/setup_prometheus.sh || echo "[test] prometheus could not be installed: tests/metrics/test_metrics_prometheus.py skips"
 echo "[test] ruff (lint + format)"
@@ -24,6 +33,7 @@ export KVCACHED_REQUIRE_SEAM_SOURCES="${KVCACHED_REQUIRE_SEAM_SOURCES:-1}"
 # vLLM (version matrix), SGLang (version matrix), the router in front of both. Every
 # part runs even when one fails; the status is non-zero when any did.
 if [ "${KVCACHED_ENGINE_TESTS:-1}" != "0" ]; then
+  echo "[test] engine venvs made in the background: .venvs/logs/prepare_engine_venvs.log"
   failed=()
   for part in test_engines test_engines_sglang test_engines_router; do
     echo "[test] $(date +%H:%M:%S) scripts/$part.sh"
